@@ -1,0 +1,72 @@
+"""Tree attention: N new tokens attend to the whole prefix cache plus their own tree ancestors.
+
+Layout contract shared by the reference, the Triton kernel and the model:
+
+* ``q``: ``[B, Hq, N, D]`` queries of the N new tokens (tree nodes, or a plain chunk of a prompt).
+* ``k_cache`` / ``v_cache``: ``[B, Hkv, S, D]`` static caches. The new tokens' keys and values have
+  already been written at slots ``[prefix_len, prefix_len + N)``; slots past that are garbage.
+* ``prefix_len``: a Python int, or a 0-d integer tensor on the device so that a CUDA graph can be
+  captured once and replayed for any prefix length (no host synchronisation).
+* ``ancestors``: ``[N, N]`` bool, ``ancestors[i, j]`` is true when node j is node i itself or one of
+  its ancestors. A chain (lower-triangular) is ordinary causal attention.
+
+Query heads ``h`` use KV head ``h // (Hq // Hkv)`` (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PrefixLen = int | torch.Tensor
+
+
+def tree_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: PrefixLen,
+    ancestors: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain-torch tree attention; the definition every fast path is tested against."""
+    n = q.shape[2]
+    if isinstance(prefix_len, int):
+        # Eager callers know the length: attend over just the live slots.
+        s = prefix_len + n
+        k_cache, v_cache = k_cache[:, :, :s], v_cache[:, :, :s]
+    mask = tree_attention_mask(prefix_len, ancestors, k_cache.shape[2])
+    return masked_attention(q, k_cache, v_cache, mask, scale)
+
+
+def tree_attention_mask(prefix_len: PrefixLen, ancestors: torch.Tensor, s: int) -> torch.Tensor:
+    """The dense ``[N, S]`` boolean mask that the compact (prefix_len, ancestors) pair stands for."""
+    n = ancestors.shape[0]
+    cols = torch.arange(s, device=ancestors.device)
+    rel = cols - prefix_len
+    in_tree = (rel >= 0) & (rel < n)
+    tree_part = ancestors[:, rel.clamp(0, n - 1)] & in_tree
+    return tree_part | (cols < prefix_len)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Grouped-query attention under an explicit boolean mask (``[N, S]`` or ``[B, 1, N, S]``)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: PrefixLen,
+    ancestors: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA where it applies, the reference elsewhere."""
+    return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
