@@ -1,0 +1,65 @@
+"""Typed records the engine emits, one per decoding step.
+
+These are the audit trail's unit: the state layer appends them to a Redis Stream, and audit replay
+compares a re-execution against them token for token. Plain frozen dataclasses keep the engine free
+of serialisation concerns; ``to_dict`` / ``from_dict`` are the only wire format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+DecodeMode = Literal["vanilla", "medusa", "typical"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one verification step proposed and what it kept.
+
+    Attributes:
+        step: 0-based index of the step within one generation (the prefill is not a step).
+        mode: "vanilla" (one token per forward), "medusa" (exact tree verification) or "typical"
+            (Medusa's relaxed acceptance; NOT distribution-exact).
+        tree_size: nodes in the verified tree, root included (1 for vanilla).
+        tree_depth: deepest node's depth (root is depth 0).
+        accepted_length: tokens this step committed: accepted draft nodes plus the one token
+            sampled from the base model at the last accepted node. Always >= 1.
+        accepted_nodes: tree node ids of the accepted path, root first.
+        tokens: the token ids committed this step, in order.
+        accepted_by_depth: for depth d = 1..tree_depth, whether a draft at that depth was accepted.
+        draft_temperature: temperature of the draft proposal (never affects exactness).
+        elapsed_s: wall time of the step, including verification and cache compaction.
+    """
+
+    step: int
+    mode: DecodeMode
+    tree_size: int
+    tree_depth: int
+    accepted_length: int
+    accepted_nodes: tuple[int, ...]
+    tokens: tuple[int, ...]
+    accepted_by_depth: tuple[bool, ...] = field(default=())
+    draft_temperature: float = 0.0
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("accepted_nodes", "tokens", "accepted_by_depth"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
+        return cls(
+            step=int(d["step"]),
+            mode=d["mode"],
+            tree_size=int(d["tree_size"]),
+            tree_depth=int(d["tree_depth"]),
+            accepted_length=int(d["accepted_length"]),
+            accepted_nodes=tuple(int(x) for x in d["accepted_nodes"]),
+            tokens=tuple(int(x) for x in d["tokens"]),
+            accepted_by_depth=tuple(bool(x) for x in d.get("accepted_by_depth", ())),
+            draft_temperature=float(d.get("draft_temperature", 0.0)),
+            elapsed_s=float(d.get("elapsed_s", 0.0)),
+        )
