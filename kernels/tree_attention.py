@@ -15,6 +15,8 @@ Query heads ``h`` use KV head ``h // (Hq // Hkv)`` (grouped-query attention).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +62,29 @@ def masked_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def _triton_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Shapes and dtypes the Triton kernel handles; everything else takes the reference."""
+    if not (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda):
+        return False
+    if q.dim() != 4 or k_cache.dim() != 4 or q.shape[1] % k_cache.shape[1] != 0:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return False
+    if q.shape[2] > 256 or q.shape[3] not in (64, 128):
+        return False
+    return q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+
+
+def _backend() -> str:
+    """``ELESIUM_TREE_ATTENTION=reference|triton`` forces a path (debugging); default ``auto``."""
+    choice = os.environ.get("ELESIUM_TREE_ATTENTION", "auto").strip().lower()
+    if choice not in ("auto", "reference", "triton"):
+        raise ValueError(f"ELESIUM_TREE_ATTENTION must be reference, triton or auto, not {choice!r}")
+    return choice
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -68,5 +93,20 @@ def tree_attention(
     ancestors: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA where it applies, the reference elsewhere."""
+    """Dispatch: the Triton kernel on CUDA where it applies, the reference elsewhere.
+
+    The Triton module is imported lazily so that CPU-only installs never need Triton. Forcing
+    ``triton`` on an unsupported input raises instead of silently falling back.
+    """
+    backend = _backend()
+    if backend == "reference":
+        return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
+    if backend == "triton" or _triton_supports(q, k_cache, v_cache):
+        try:
+            from elesium.kernels.triton_tree_attention import tree_attention_triton
+        except ImportError:
+            if backend == "triton":
+                raise
+            return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
+        return tree_attention_triton(q, k_cache, v_cache, prefix_len, ancestors, scale)
     return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
