@@ -183,20 +183,34 @@ def _tree_attn_split_kernel(
         for start_n in range(start, full_end, BLOCK_N):
             cols = start_n + offs_n
             acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q,
+                acc,
+                m_i,
+                l_i,
+                q,
                 k_base + cols[:, None] * stride_ks,
                 v_base + cols[:, None] * stride_vs,
-                cols < end, no_tree, qk_scale,
-                MASK_COLS=False, MASK_TREE=False, IEEE=IEEE,
+                cols < end,
+                no_tree,
+                qk_scale,
+                MASK_COLS=False,
+                MASK_TREE=False,
+                IEEE=IEEE,
             )
         if full_end < end:
             cols = full_end + offs_n
             acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q,
+                acc,
+                m_i,
+                l_i,
+                q,
                 k_base + cols[:, None] * stride_ks,
                 v_base + cols[:, None] * stride_vs,
-                cols < end, no_tree, qk_scale,
-                MASK_COLS=True, MASK_TREE=False, IEEE=IEEE,
+                cols < end,
+                no_tree,
+                qk_scale,
+                MASK_COLS=True,
+                MASK_TREE=False,
+                IEEE=IEEE,
             )
     else:
         # The tree part: the N new keys, each row masked by its ancestor bit words.
@@ -211,11 +225,18 @@ def _tree_attn_split_kernel(
             allowed = ((word >> (rel % 32)[None, :]) & 1) != 0
             cols = prefix + rel
             acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q,
+                acc,
+                m_i,
+                l_i,
+                q,
                 k_base + cols[:, None] * stride_ks,
                 v_base + cols[:, None] * stride_vs,
-                col_ok, allowed, qk_scale,
-                MASK_COLS=True, MASK_TREE=True, IEEE=IEEE,
+                col_ok,
+                allowed,
+                qk_scale,
+                MASK_COLS=True,
+                MASK_TREE=True,
+                IEEE=IEEE,
             )
 
     # Partial result: normalised output and log2-sum-exp (-inf for an empty split).
@@ -262,7 +283,9 @@ def _tree_attn_merge_kernel(
         other=0.0,
     )
     res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + node * stride_on + offs_d, res.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + node * stride_on + offs_d, res.to(out_ptr.dtype.element_ty)
+    )
 
 
 @dataclass(frozen=True)
@@ -376,20 +399,50 @@ def tree_attention_triton(
     m_tiles = triton.cdiv(group * n_nodes, config.block_m)
     grid = (m_tiles, batch * hkv, num_splits)
     _tree_attn_split_kernel[grid](
-        q, k_cache, v_cache, ancestor_bits, prefix_ptr, part_o, part_lse,
-        prefix_val, n_nodes, ancestor_bits.shape[1], config.num_prefix_splits, scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        PREFIX_FROM_PTR=from_ptr, IEEE=q.dtype == torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        ancestor_bits,
+        prefix_ptr,
+        part_o,
+        part_lse,
+        prefix_val,
+        n_nodes,
+        ancestor_bits.shape[1],
+        config.num_prefix_splits,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HQ=hq,
+        HKV=hkv,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        PREFIX_FROM_PTR=from_ptr,
+        IEEE=q.dtype == torch.float32,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     _tree_attn_merge_kernel[(rows_total,)](
-        part_o, part_lse, out, n_nodes, num_splits,
-        out.stride(0), out.stride(1), out.stride(2),
-        HQ=hq, HEAD_DIM=head_dim, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+        part_o,
+        part_lse,
+        out,
+        n_nodes,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        HQ=hq,
+        HEAD_DIM=head_dim,
+        SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
         num_warps=4 if head_dim * num_splits >= 2048 else 2,
     )
     return out

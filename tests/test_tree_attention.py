@@ -11,14 +11,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util  # noqa: E402
-import zlib  # noqa: E402
-from types import ModuleType  # noqa: E402
+import importlib.util
+import zlib
+from types import ModuleType
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from elesium.kernels.tree_attention import (  # noqa: E402
+import pytest
+import torch
+from elesium.kernels.tree_attention import (
     masked_attention,
     tree_attention,
     tree_attention_mask,
