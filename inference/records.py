@@ -63,3 +63,67 @@ class StepRecord:
             draft_temperature=float(d.get("draft_temperature", 0.0)),
             elapsed_s=float(d.get("elapsed_s", 0.0)),
         )
+
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of output: the text that became final and the tokens behind it.
+
+    ``text`` may lag ``token_ids`` by a few characters: an incomplete UTF-8 sequence or a possible
+    beginning of a stop string is held back until it resolves.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    step: StepRecord | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The finished result of one generation, with everything needed to replay and audit it.
+
+    The first new token comes from the prefill; ``steps`` cover the rest, so
+    ``sum(s.accepted_length for s in steps) >= new_tokens - 1`` (a stop can cut the last step short).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: FinishReason
+    mode: DecodeMode
+    seed: int
+    elapsed_s: float
+    steps: tuple[StepRecord, ...] = ()
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens committed per verification forward (1.0 for vanilla)."""
+        if not self.steps:
+            return 1.0
+        return sum(s.accepted_length for s in self.steps) / len(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+            "mode": self.mode,
+            "seed": self.seed,
+            "elapsed_s": self.elapsed_s,
+            "tokens_per_s": self.tokens_per_s,
+            "steps": len(self.steps),
+            "mean_accepted": self.mean_accepted,
+        }

@@ -1,0 +1,91 @@
+"""Turning logits into a token: the single definition of the target distribution.
+
+Vanilla sampling and speculative verification both call ``target_probs`` so that "exactly the base
+model's distribution" has one meaning: temperature, then top-k, then top-p (nucleus), in float32.
+Random draws come from a seeded CPU ``torch.Generator`` as uniforms and tokens are picked by inverse
+CDF, so a run replays bit for bit from its seed whatever device did the arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` is greedy. ``seed`` None draws a fresh seed (recorded in the result, so
+    the run can still be replayed).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities ``[..., V]`` after temperature, top-k and top-p. Not for greedy."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep a token while the mass strictly before it is below top_p: the smallest set reaching it.
+        before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from a 1-D probability vector (need not be normalised) with uniform ``u``."""
+    cdf = probs.double().cumsum(0)
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device),
+                                 right=True).item())
+    idx = min(idx, probs.shape[0] - 1)
+    # Never return a zero-probability token because of rounding at the top of the CDF.
+    while probs[idx] <= 0 and idx > 0:
+        idx -= 1
+    return idx
+
+
+class Sampler:
+    """Seeded source of uniforms; one per generation, consumed in a fixed order."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self._gen, dtype=torch.float64))
+
+    def pick(self, logits: torch.Tensor, params: SamplingParams) -> int:
+        """Greedy argmax, or a draw from the target distribution."""
+        if params.greedy:
+            return int(logits.argmax(-1).item())
+        return sample_from(target_probs(logits, params), self.uniform())
