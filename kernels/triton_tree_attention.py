@@ -263,8 +263,13 @@ def _tree_attn_merge_kernel(
     HQ: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
-    """One program per (b, h, node) row: merge split partials weighted by 2^(lse - max lse)."""
+    """One program per (b, h, node) row: merge split partials weighted by 2^(lse - max lse).
+
+    The lse vector is small and read whole; the [splits, D] outputs are streamed in chunks of
+    SPLIT_CHUNK so register use stays bounded however many splits the launch has.
+    """
     prow = tl.program_id(0)
     node = prow % n_nodes
     bh = prow // n_nodes
@@ -272,17 +277,24 @@ def _tree_attn_merge_kernel(
     b = bh // HQ
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + prow * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    lse_row = part_lse_ptr + prow * num_splits
+    lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - m)
-    w = tl.where(s_ok & (lse > float("-inf")), w, 0.0)
-    o = tl.load(
-        part_o_ptr + (prow * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.math.exp2(lse - m), 0)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        sc = s0 + offs_c
+        ok = sc < num_splits
+        w = tl.math.exp2(tl.load(lse_row + sc, mask=ok, other=float("-inf")) - m)
+        o = tl.load(
+            part_o_ptr + (prow * num_splits + sc[:, None]) * HEAD_DIM + offs_d[None, :],
+            mask=ok[:, None],
+            other=0.0,
+        )
+        acc += tl.sum(o * w[:, None], 0)
+    res = acc / denom
     tl.store(
         out_ptr + b * stride_ob + h * stride_oh + node * stride_on + offs_d, res.to(out_ptr.dtype.element_ty)
     )
@@ -443,6 +455,7 @@ def tree_attention_triton(
         HQ=hq,
         HEAD_DIM=head_dim,
         SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
-        num_warps=4 if head_dim * num_splits >= 2048 else 2,
+        SPLIT_CHUNK=16,
+        num_warps=2,
     )
     return out
