@@ -1,0 +1,239 @@
+"""The per-run audit trail of speculative decoding: one Redis Stream entry per decode step.
+
+Audit replay re-executes a run and compares it with what the engine recorded, step by step, so
+every :class:`~elesium.inference.records.StepRecord` is appended here together with where it came
+from (run, graph node, run-wide step number). A Stream fits: append-only, ordered by time-based
+ids, cheap range reads, and built-in trimming.
+
+Retention is explicit because a stream otherwise grows forever: :class:`Retention` either caps
+the length (``XADD MAXLEN``) or drops entries older than an age (``XADD MINID``, computed from
+this host's clock, so keep hosts NTP-synced). ``approximate=True`` (``~``) lets the server trim
+whole radix-tree nodes, which is much cheaper and may keep slightly more entries than asked.
+
+Keys: ``<prefix>:{<run_id>}``, so a run's stream maps to one cluster slot and a batch append is
+one MULTI/EXEC.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from elesium.inference.records import StepRecord
+from elesium.state.connection import connect, default_url, describe
+from elesium.state.errors import translate_errors
+
+DEFAULT_PREFIX = "elesium:acc"
+_SCHEMA = "1"
+
+
+class AcceptanceEntry(BaseModel):
+    """A :class:`StepRecord` and its place in a run.
+
+    Attributes:
+        run_id: the run (see :mod:`elesium.state.runs`).
+        node_id: the LangGraph node whose generation produced the step.
+        step_id: run-wide step number, increasing across the run's generations (``record.step``
+            restarts at 0 for each generation).
+        record: what the engine proposed and kept.
+        entry_id: the stream id, set on entries read back; None on entries not yet appended.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str = Field(min_length=1)
+    node_id: str
+    step_id: int = Field(ge=0)
+    record: StepRecord
+    entry_id: str | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        """The stream entry's fields: flat, readable in ``redis-cli XRANGE``."""
+        return {
+            "v": _SCHEMA,
+            "run_id": self.run_id,
+            "node_id": self.node_id,
+            "step_id": str(self.step_id),
+            "record": json.dumps(self.record.to_dict(), separators=(",", ":")),
+        }
+
+    @classmethod
+    def from_fields(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> AcceptanceEntry:
+        text = {k.decode(): v.decode() for k, v in fields.items()}
+        return cls(
+            run_id=text["run_id"],
+            node_id=text["node_id"],
+            step_id=int(text["step_id"]),
+            record=StepRecord.from_dict(json.loads(text["record"])),
+            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        )
+
+
+class AcceptanceSummary(BaseModel):
+    """Aggregate acceptance figures of a run (or of one node in it).
+
+    Attributes:
+        tau: mean accepted length per step, the speed-up over one-token-per-forward decoding
+            before overheads. 0.0 when there are no steps.
+        acceptance_by_depth: entry ``d-1`` is the share of steps whose draft at depth ``d`` was
+            accepted, among steps whose tree reached depth ``d``.
+        total_tokens: tokens committed (sum of accepted lengths).
+        total_time_s: summed step wall time.
+        steps: number of decode steps.
+    """
+
+    run_id: str
+    node_id: str | None = None
+    steps: int
+    total_tokens: int
+    total_time_s: float
+    tau: float
+    acceptance_by_depth: list[float]
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How much of each run's stream to keep. Set ``maxlen`` or ``max_age_s`` (or neither)."""
+
+    maxlen: int | None = 100_000
+    max_age_s: float | None = None
+    approximate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.maxlen is not None and self.max_age_s is not None:
+            raise ValueError("Retention takes maxlen (MAXLEN) or max_age_s (MINID), not both; pick one.")
+        if self.maxlen is not None and self.maxlen <= 0:
+            raise ValueError(f"Retention.maxlen must be >= 1, got {self.maxlen}.")
+        if self.max_age_s is not None and self.max_age_s <= 0:
+            raise ValueError(f"Retention.max_age_s must be > 0 seconds, got {self.max_age_s}.")
+
+    def xadd_kwargs(self) -> dict[str, Any]:
+        if self.maxlen is not None:
+            return {"maxlen": self.maxlen, "approximate": self.approximate}
+        if self.max_age_s is not None:
+            return {"minid": self.min_id(), "approximate": self.approximate}
+        return {}
+
+    def min_id(self) -> str:
+        return f"{int((time.time() - (self.max_age_s or 0.0)) * 1000)}-0"
+
+
+class AcceptanceLog:
+    """Append and read decode-step records, one stream per run.
+
+    Args:
+        client: a synchronous ``redis.Redis`` / ``RedisCluster`` (bytes replies).
+        prefix: key root; one per application sharing a database.
+        retention: trimming applied on every append (``Retention(maxlen=None)`` keeps all).
+    """
+
+    def __init__(
+        self, client: Any, *, prefix: str = DEFAULT_PREFIX, retention: Retention | None = None,
+        target: str = "the configured server",
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.retention = retention if retention is not None else Retention()
+        self._target = target
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **options: Any) -> AcceptanceLog:
+        """Connect to ``url`` (default ``REDIS_URL``, else the embedded server)."""
+        url = url or default_url()
+        return cls(connect(url), target=describe(url), **options)
+
+    def key(self, run_id: str) -> str:
+        return f"{self.prefix}:{{{quote(run_id, safe='')}}}"
+
+    def _guard(self, run_id: str) -> Any:
+        return translate_errors(f"the acceptance stream {self.key(run_id)}", self._target)
+
+    def append(self, entry: AcceptanceEntry) -> str:
+        """Append one entry; returns its stream id."""
+        with self._guard(entry.run_id):
+            entry_id = self.client.xadd(self.key(entry.run_id), entry.to_fields(), **self.retention.xadd_kwargs())
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    def append_many(self, entries: Sequence[AcceptanceEntry]) -> list[str]:
+        """Append a batch in one round trip per run, atomically per run (MULTI/EXEC)."""
+        ids: dict[int, str] = {}
+        by_run: dict[str, list[int]] = {}
+        for i, entry in enumerate(entries):
+            by_run.setdefault(entry.run_id, []).append(i)
+        for run_id, positions in by_run.items():
+            trim = self.retention.xadd_kwargs()
+            with self._guard(run_id):
+                pipe = self.client.pipeline(transaction=True)
+                for i in positions:
+                    pipe.xadd(self.key(run_id), entries[i].to_fields(), **trim)
+                replies = pipe.execute()
+            for i, reply in zip(positions, replies):
+                ids[i] = reply.decode() if isinstance(reply, bytes) else str(reply)
+        return [ids[i] for i in range(len(entries))]
+
+    def read(self, run_id: str, start: str = "-", end: str = "+", count: int | None = None) -> list[AcceptanceEntry]:
+        """Entries with ``start <= id <= end`` (stream ids; ``(id`` excludes), oldest first."""
+        with self._guard(run_id):
+            rows = self.client.xrange(self.key(run_id), min=start, max=end, count=count)
+        return [AcceptanceEntry.from_fields(entry_id, fields) for entry_id, fields in rows]
+
+    def iter_entries(self, run_id: str, page: int = 1000) -> Iterator[AcceptanceEntry]:
+        """Every entry of the run, oldest first, fetched ``page`` at a time."""
+        start = "-"
+        while True:
+            batch = self.read(run_id, start=start, count=page)
+            yield from batch
+            if len(batch) < page:
+                return
+            start = f"({batch[-1].entry_id}"
+
+    def length(self, run_id: str) -> int:
+        with self._guard(run_id):
+            return int(self.client.xlen(self.key(run_id)))
+
+    def trim(self, run_id: str) -> int:
+        """Apply the retention now (e.g. after changing it); returns entries removed."""
+        kwargs = self.retention.xadd_kwargs()
+        if not kwargs:
+            return 0
+        with self._guard(run_id):
+            return int(self.client.xtrim(self.key(run_id), **kwargs))
+
+    def delete(self, run_id: str) -> None:
+        with self._guard(run_id):
+            self.client.delete(self.key(run_id))
+
+    def summary(self, run_id: str, node_id: str | None = None) -> AcceptanceSummary:
+        """tau, per-depth acceptance, tokens, time and steps over the run (or one node)."""
+        steps = tokens = 0
+        elapsed = 0.0
+        accepted: list[int] = []
+        reached: list[int] = []
+        for entry in self.iter_entries(run_id):
+            if node_id is not None and entry.node_id != node_id:
+                continue
+            rec = entry.record
+            steps += 1
+            tokens += rec.accepted_length
+            elapsed += rec.elapsed_s
+            for depth, ok in enumerate(rec.accepted_by_depth):
+                if depth == len(reached):
+                    reached.append(0)
+                    accepted.append(0)
+                reached[depth] += 1
+                accepted[depth] += int(ok)
+        return AcceptanceSummary(
+            run_id=run_id,
+            node_id=node_id,
+            steps=steps,
+            total_tokens=tokens,
+            total_time_s=elapsed,
+            tau=tokens / steps if steps else 0.0,
+            acceptance_by_depth=[a / r for a, r in zip(accepted, reached)],
+        )
