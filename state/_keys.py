@@ -30,9 +30,10 @@ from urllib.parse import quote, unquote
 DEFAULT_PREFIX = "elesium:cp"
 
 
+_EMPTY_TAG = "%"  # quote() never emits a lone '%', so this cannot collide with a real id
+
+
 def _enc(part: str) -> str:
-    # "" must survive as a distinct, non-empty-looking token only where it is a key component;
-    # quote("") == "" is fine because every component is followed by a fixed separator.
     return quote(part, safe="")
 
 
@@ -44,7 +45,8 @@ class ThreadKeys:
 
     @classmethod
     def of(cls, root: str, thread_id: str) -> ThreadKeys:
-        return cls(f"{root}:{{{_enc(str(thread_id))}}}:")
+        # An empty tag "{}" would hash the whole key, scattering the thread over slots.
+        return cls(f"{root}:{{{_enc(str(thread_id)) or _EMPTY_TAG}}}:")
 
     @property
     def nss(self) -> str:
@@ -75,7 +77,7 @@ def thread_from_nss_key(root: str, key: bytes | str) -> str:
     """Invert :attr:`ThreadKeys.nss` (used when listing every thread)."""
     text = key.decode() if isinstance(key, bytes) else key
     inner = text[len(root) + 2 : -len("}:nss")]
-    return unquote(inner)
+    return "" if inner == _EMPTY_TAG else unquote(inner)
 
 
 def nss_pattern(root: str) -> str:
