@@ -13,8 +13,8 @@ as a confusing socket error on the first checkpoint):
 
 Query arguments that redis-py understands (``socket_connect_timeout``, ``ssl_cert_reqs``, ...) pass
 through and override the defaults below. The defaults keep an unreachable server from hanging a
-caller: a 1 s connect timeout, one retry, and a ping at connect time so that the error surfaces
-where the URL was given.
+caller: a 1 s connect timeout, one retry, and a PING at connect time (answer within 2 s) so that
+the error surfaces where the URL was given.
 
 Without a URL, :func:`default_url` starts (or re-attaches to) the embedded Valkey server of
 :mod:`elesium.state.embedded` in ``Settings.data_dir``.
@@ -154,15 +154,33 @@ def connect(url: str, *, ping: bool = True, **overrides: Any) -> redis.Redis | r
     try:
         client: redis.Redis | redis.cluster.RedisCluster
         if target.kind == "cluster":
+            # Discovering the slots already talks to the node, with the timeouts above.
             client = redis.cluster.RedisCluster.from_url(target.client_url, **kwargs)
         else:
+            if ping:
+                _probe(target.client_url, kwargs["socket_connect_timeout"])
             client = redis.Redis.from_url(target.client_url, **kwargs)
-        if ping:
-            client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
             redis.exceptions.RedisClusterException, OSError) as exc:
         raise RedisUnavailableError(unavailable_message(target.display, exc)) from exc
+    except redis.exceptions.InvalidResponse as exc:
+        raise RedisUnavailableError(
+            f"Something answers at {target.display}, but not in the Redis protocol ({exc}); "
+            "REDIS_URL probably names the wrong host or port."
+        ) from exc
     return client
+
+
+def _probe(client_url: str, connect_timeout: float) -> None:
+    """PING once with short timeouts, so a server that accepts but never answers cannot stall us.
+
+    The long-lived client keeps the longer ``socket_timeout`` that big scripts may need.
+    """
+    with redis.Redis.from_url(
+        client_url, socket_connect_timeout=connect_timeout, socket_timeout=max(2 * connect_timeout, 1.0),
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 0),
+    ) as probe:
+        probe.ping()
 
 
 def connect_async(

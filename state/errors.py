@@ -83,3 +83,8 @@ def translate_errors(where: str, target: str = "the configured server") -> Itera
         raise
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         raise RedisUnavailableError(unavailable_message(target, exc)) from exc
+    except redis.exceptions.InvalidResponse as exc:
+        raise RedisUnavailableError(
+            f"Something answers at {target}, but not in the Redis protocol ({exc}); "
+            "REDIS_URL probably names the wrong host or port."
+        ) from exc
