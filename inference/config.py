@@ -96,5 +96,6 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float32",
+            "_name_or_path": self.name,
         }
 

@@ -14,6 +14,7 @@ of its iterator.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -29,11 +30,15 @@ from elesium.inference.loading import LoadedWeights, load_weights
 from elesium.inference.model import Transformer, build_model
 from elesium.inference.records import Chunk, DecodeMode, FinishReason, Generation, StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
+from elesium.inference.speculative import MedusaDecoder
 from elesium.inference.text_stream import TextStream
+from elesium.inference.tree_policy import TreePolicy
 from elesium.inference.tokenizer import Message, Tokenizer
 from elesium.inference.vanilla import VanillaDecoder
 
 Prompt = str | Sequence[Message]
+# Tree sizes that get their own CUDA graph (a tree runs in the smallest bucket that holds it).
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -72,13 +77,16 @@ class Engine:
     """A loaded model plus everything needed to generate from it."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, weights: LoadedWeights | None = None,
+                 heads: torch.nn.Module | None = None, policy: TreePolicy | None = None,
                  max_len: int | None = None, cuda_graphs: bool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.weights_info = weights
+        self.heads = heads
+        self.policy = policy or TreePolicy()
         self.cache = model.new_cache(max_len)
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, buckets=(1,)) if use_graphs
+        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, buckets=GRAPH_BUCKETS) if use_graphs
                                       else ForwardRunner(model, self.cache))
         self._lock = threading.Lock()
 
@@ -97,7 +105,11 @@ class Engine:
     @property
     def modes(self) -> tuple[DecodeMode, ...]:
         """Decoding modes this engine can run (speculative ones need Medusa heads)."""
-        return ("vanilla",)
+        return ("vanilla", "medusa", "typical") if self.heads is not None else ("vanilla",)
+
+    @property
+    def default_mode(self) -> DecodeMode:
+        return "medusa" if self.heads is not None else "vanilla"
 
     @property
     def context_length(self) -> int:
@@ -124,19 +136,26 @@ class Engine:
     def make_decoder(self, mode: DecodeMode, params: SamplingParams, sampler: Sampler) -> Decoder:
         if mode == "vanilla":
             return VanillaDecoder(self.runner, params, sampler)
-        raise ValueError(f"unknown decoding mode {mode!r}")
+        if mode in ("medusa", "typical"):
+            if self.heads is None:
+                raise ValueError(f"mode {mode!r} needs Medusa heads, and none are loaded for this model "
+                                 "(train them with `elesium train-heads`, or use --mode vanilla)")
+            # A fresh policy per generation: online adaptation must not carry over between runs, or a
+            # seeded sampled run would not replay to the same tokens.
+            return MedusaDecoder(self.runner, self.heads, params, sampler, dataclasses.replace(self.policy), mode)
+        raise ValueError(f"unknown decoding mode {mode!r}; use vanilla, medusa or typical")
 
     def stream(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,
-               mode: DecodeMode = "vanilla", raw: bool = False,
+               mode: DecodeMode | None = None, raw: bool = False,
                on_step: Callable[[StepRecord], None] | None = None) -> "GenerationStream":
         """Start a generation; iterate the returned stream for chunks, then read ``.result``."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, raw=raw)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        return GenerationStream(self, ids, params, mode, seed, on_step)
+        return GenerationStream(self, ids, params, mode or self.default_mode, seed, on_step)
 
     def generate(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,
-                 mode: DecodeMode = "vanilla", raw: bool = False,
+                 mode: DecodeMode | None = None, raw: bool = False,
                  on_step: Callable[[StepRecord], None] | None = None) -> Generation:
         stream = self.stream(prompt, params, mode=mode, raw=raw, on_step=on_step)
         for _ in stream:

@@ -1,0 +1,46 @@
+"""``elesium eval-heads``: each Medusa head's top-1/top-5 against the base model's greedy continuation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from elesium.commands.common import add_model_args, load_engine
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-heads", help="score Medusa heads on a prompt set",
+                       description="Generate the base model's greedy continuation of every prompt and score "
+                       "how often head k's top-1 / top-5 contains the token k+1 past the next one.")
+    p.add_argument("--prompts", type=Path, required=True,
+                   help="JSONL with a 'prompt' field, or MT-Bench's 'turns' (first turn used)")
+    p.add_argument("--max-tokens", type=int, default=256, help="greedy continuation length per prompt")
+    p.add_argument("--heads", type=Path, default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per batched forward")
+    p.add_argument("--json", action="store_true", help='print {"heads": [{"head", "top1", "top5"}...], "tokens"}')
+    add_model_args(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from elesium.inference.head_training import read_eval_prompts, score_prompts
+    from elesium.inference.heads import load_heads
+
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2 (a head needs a token past the next one), got {args.max_tokens}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    prompts = read_eval_prompts(args.prompts)
+    engine = load_engine(args)
+    heads = load_heads(args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
+                       dtype=engine.model.dtype)
+    result = score_prompts(engine.model, engine.tokenizer, heads, prompts, args.max_tokens, args.batch_size)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['prompts']} prompts, {result['tokens']} greedy tokens")
+    print("head  top-1   top-5   positions")
+    for h in result["heads"]:
+        print(f"{h['head']:>4}  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}")
+    return 0

@@ -1,0 +1,68 @@
+"""``elesium train-heads``: self-distil the base model, train Medusa heads, write heads + manifest."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from elesium.commands.common import add_model_args, load_engine
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-heads", help="train Medusa heads for the loaded model (self-distillation)",
+                       description="Generate self-distillation data (or read --data), cache the base model's "
+                       "hidden states, train the heads and write heads.safetensors + manifest.json to --out.")
+    p.add_argument("--out", type=Path, default=Path("heads-out"), help="output directory (default: heads-out)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="distillation JSONL(.gz) from an earlier run (default: generate, save to OUT/distill.jsonl.gz)")
+    p.add_argument("--prompts", type=int, default=3000, help="prompts to generate when --data is not given")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap while distilling")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+                   help="one answer per prompt at each temperature (0 = greedy)")
+    p.add_argument("--gen-batch", type=int, default=64, help="sequences per batched forward")
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    p.add_argument("--loss", choices=["kl", "ce"], default="kl",
+                   help="kl: to the base model's distribution; ce: to the token in the data")
+    p.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is DECAY**k")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=2048, help="positions per optimiser step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    p.add_argument("--eval-prompts", type=Path, default=None,
+                   help="JSONL (prompt / MT-Bench turns) to score the finished heads on")
+    p.add_argument("--eval-max-tokens", type=int, default=256)
+    p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    add_model_args(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from elesium.inference.head_training import TrainConfig, train
+
+    for name in ("prompts", "steps", "batch_size", "gen_batch", "num_heads", "num_layers", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.data is not None and not args.data.exists():
+        raise FileNotFoundError(f"--data file not found: {args.data}")
+    if args.eval_prompts is not None and not args.eval_prompts.exists():
+        raise FileNotFoundError(f"--eval-prompts file not found: {args.eval_prompts}")
+    cfg = TrainConfig(
+        out=args.out, data=args.data, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        temperatures=tuple(args.temperatures), gen_batch=args.gen_batch, num_heads=args.num_heads,
+        num_layers=args.num_layers, loss=args.loss, decay=args.decay, steps=args.steps, batch_size=args.batch_size,
+        lr=args.lr, warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
+        seed=args.seed, resume=args.resume, time_budget_s=args.time_budget, eval_prompts=args.eval_prompts,
+        eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype,
+        command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
+    engine = load_engine(args)
+    train(cfg, engine, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(cfg.out)
+    return 0

@@ -1,0 +1,139 @@
+"""Token trees: which candidate continuations one verification forward checks.
+
+A tree is a parent index per node (node 0 is the root: the already-chosen next token) plus, for each
+other node, the Medusa head that proposed it (its depth) and the rank of its token in that head's
+top-k. Because Medusa heads read only the current hidden state, a node's token is determined by
+(depth, rank) alone, so a tree is equivalently a prefix-closed set of rank paths, Medusa's "choice
+lists": ``(0,)`` is head 1's top token, ``(0, 2)`` head 2's third token after it, and so on.
+
+Static trees come from a calibrated table of acceptance probabilities per (depth, rank); dynamic
+trees (EAGLE-2's idea) use this step's head log-probabilities instead. Both pick the N paths with
+the highest cumulative score. Scores only fall along a path, so the best N paths are automatically
+prefix-closed and a best-first search finds them exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A token tree in topological order (every parent before its children)."""
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Path]) -> "Tree":
+        """Build from rank paths; missing prefixes are added, order is (depth, path)."""
+        closed: set[Path] = set()
+        for p in paths:
+            for i in range(1, len(p) + 1):
+                closed.add(tuple(p[:i]))
+        ordered = sorted(closed, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parents, depths, ranks = [-1], [0], [-1]
+        for p in ordered:
+            index[p] = len(parents)
+            parents.append(index[p[:-1]])
+            depths.append(len(p))
+            ranks.append(p[-1])
+        return cls(tuple(parents), tuple(depths), tuple(ranks))
+
+    @classmethod
+    def chain(cls, length: int) -> "Tree":
+        return cls.from_paths([(0,) * length] if length else [])
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks) + 1 if self.size > 1 else 0
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Children of each node, ordered by rank (the verification order)."""
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for node, parent in enumerate(self.parents[1:], start=1):
+            kids[parent].append(node)
+        return tuple(tuple(sorted(k, key=lambda n: self.ranks[n])) for k in kids)
+
+    @cached_property
+    def paths(self) -> tuple[Path, ...]:
+        out: list[Path] = [()]
+        for node in range(1, self.size):
+            out.append(out[self.parents[node]] + (self.ranks[node],))
+        return tuple(out)
+
+    def ancestors(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[N, N]`` bool: row i marks i and its ancestors (what node i may attend to)."""
+        anc = torch.zeros(self.size, self.size, dtype=torch.bool)
+        for node in range(self.size):
+            anc[node, node] = True
+            parent = self.parents[node]
+            if parent >= 0:
+                anc[node] |= anc[parent]
+        return anc.to(device)
+
+    def positions(self, offset: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """RoPE positions: a node at depth d sits d places after the root's slot."""
+        return offset + torch.tensor(self.depths, device=device)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node ids from the root to ``node``, inclusive."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def top_paths(scores: Sequence[Sequence[float]], budget: int, max_depth: int | None = None) -> Tree:
+    """The tree of ``budget`` nodes (root included) whose paths have the highest total score.
+
+    ``scores[d][r]`` is the score (a log-probability, so <= 0) of taking rank r at depth d+1.
+    Best-first search: a path's children can only score lower than the path, so popping paths in
+    score order yields exactly the top ``budget - 1`` paths, all prefix-closed.
+    """
+    depth_limit = min(len(scores), max_depth or len(scores))
+    chosen: list[Path] = []
+    heap: list[tuple[float, Path]] = []
+    if depth_limit and scores[0]:
+        heapq.heappush(heap, (-scores[0][0], (0,)))
+    while heap and len(chosen) < budget - 1:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        d, r = len(path), path[-1]
+        if r + 1 < len(scores[d - 1]):  # next sibling
+            sib = path[:-1] + (r + 1,)
+            heapq.heappush(heap, (neg + scores[d - 1][r] - scores[d - 1][r + 1], sib))
+        if d < depth_limit and scores[d]:  # first child
+            heapq.heappush(heap, (neg - scores[d][0], path + (0,)))
+    return Tree.from_paths(chosen)
+
+
+# Medusa's sparse tree for 4 heads with 63 candidates ("mc_sim_7b_63"), used until `elesium tune`
+# calibrates a tree for our heads on this hardware.
+MEDUSA_DEFAULT_PATHS: tuple[Path, ...] = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0),
+    (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0),
+    (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5),
+    (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9),
+    (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5),
+    (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
+)
