@@ -67,7 +67,9 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     conf = data / "valkey.conf"
     conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ncluster-enabled yes\ncluster-config-file nodes.conf\n"
+        # The bus port defaults to port + 10000, which overflows for ports above 55535.
+        f"port {port}\ncluster-port {free_port()}\nbind 127.0.0.1\ncluster-enabled yes\n"
+        "cluster-config-file nodes.conf\n"
         f'dir "{data}"\nsave ""\nappendonly no\n'
     )
     log = open(data / "valkey.log", "ab")
@@ -80,6 +82,8 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 client.ping()
                 break
             except redis.exceptions.ConnectionError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the cluster node exited: {(data / 'valkey.log').read_text()}")
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
