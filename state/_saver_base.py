@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -69,8 +69,8 @@ class Emit:
     item: CheckpointTuple
 
 
-Request = Union[ScriptCall, Command, Scan, Transaction]
-Op = Generator[Union[Request, Emit], Any, Any]
+Request = ScriptCall | Command | Scan | Transaction
+Op = Generator[Request | Emit, Any, Any]
 
 
 def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:

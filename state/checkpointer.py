@@ -20,8 +20,6 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
-import redis
-import redis.asyncio
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     ChannelVersions,
@@ -40,7 +38,6 @@ from elesium.state._saver_base import (
     Request,
     Scan,
     ScriptCall,
-    Transaction,
     prune_keep,
 )
 from elesium.state.connection import connect, connect_async, default_url, describe

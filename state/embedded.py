@@ -174,11 +174,11 @@ class EmbeddedValkey:
             return False
         self._pid, self._url = pid, url
         # Never weaken a running server's durability: keep the stricter of its policy and ours.
-        with contextlib.suppress(redis.exceptions.RedisError):
-            with redis.Redis.from_url(url, socket_connect_timeout=1.0) as client:
-                current = client.config_get("appendfsync").get("appendfsync", "everysec")
-                if _FSYNC_RANK.get(self.appendfsync, 0) > _FSYNC_RANK.get(current, 0):
-                    client.config_set("appendfsync", self.appendfsync)
+        with contextlib.suppress(redis.exceptions.RedisError), \
+                redis.Redis.from_url(url, socket_connect_timeout=1.0) as client:
+            current = client.config_get("appendfsync").get("appendfsync", "everysec")
+            if _FSYNC_RANK.get(self.appendfsync, 0) > _FSYNC_RANK.get(current, 0):
+                client.config_set("appendfsync", self.appendfsync)
         return True
 
     def _write_config(self, port: int) -> Path:
@@ -294,9 +294,9 @@ class EmbeddedValkey:
         """SHUTDOWN (the AOF is flushed and fsynced), wait, and SIGKILL only after ``timeout_s``."""
         if self._pid is None:
             return
-        with contextlib.suppress(redis.exceptions.RedisError, OSError):
-            with redis.Redis.from_url(self.url, socket_connect_timeout=1.0, socket_timeout=timeout_s) as c:
-                c.shutdown()
+        with contextlib.suppress(redis.exceptions.RedisError, OSError), \
+                redis.Redis.from_url(self.url, socket_connect_timeout=1.0, socket_timeout=timeout_s) as c:
+            c.shutdown()
         if not self._wait_exit(timeout_s):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._pid, signal.SIGKILL)

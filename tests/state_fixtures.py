@@ -72,32 +72,31 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "cluster-config-file nodes.conf\n"
         f'dir "{data}"\nsave ""\nappendonly no\n'
     )
-    log = open(data / "valkey.log", "ab")
-    proc = subprocess.Popen([str(server_binary()), str(conf)], cwd=data, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the cluster node exited: {(data / 'valkey.log').read_text()}")
+    with open(data / "valkey.log", "ab") as log:
+        proc = subprocess.Popen([str(server_binary()), str(conf)], cwd=data, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the cluster node exited: {(data / 'valkey.log').read_text()}")
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
                 if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the one-node cluster did not reach cluster_state:ok")
-            time.sleep(0.05)
-        client.close()
-        yield f"redis+cluster://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
+                    raise RuntimeError("the one-node cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+            client.close()
+            yield f"redis+cluster://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def free_port() -> int:

@@ -13,7 +13,11 @@ import redis
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.report import CapabilityReport
-from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+from langgraph.checkpoint.conformance.test_utils import (
+    generate_checkpoint,
+    generate_config,
+    generate_metadata,
+)
 from langgraph.graph import END, START, StateGraph
 from redis.crc import key_slot
 

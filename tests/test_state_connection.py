@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+from langgraph.checkpoint.conformance.test_utils import (
+    generate_checkpoint,
+    generate_config,
+    generate_metadata,
+)
 
 from elesium.config import Settings
 from elesium.inference.records import StepRecord

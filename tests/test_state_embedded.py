@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+from langgraph.checkpoint.conformance.test_utils import (
+    generate_checkpoint,
+    generate_config,
+    generate_metadata,
+)
 
 from elesium.state import EmbeddedServerError, EmbeddedValkey, RedisSaver
 
