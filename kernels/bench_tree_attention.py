@@ -64,7 +64,7 @@ tk = _load("triton_tree_attention")
 
 HEADS_FULL = [(9, 3, 64), (32, 8, 128)]
 PREFIXES_FULL = [512, 2048, 8192, 32768]
-TREES_FULL = [16, 64, 128]
+TREES_FULL = [64, 128, 16]  # the 64-node tree first: flex's compile budget goes to it first
 ROTATE_BYTES = 256 << 20
 SWEEP = [
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
@@ -134,6 +134,38 @@ class Rotator:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.i = (self.i + 1) % len(self.bufs)
         return self.bufs[self.i]
+
+
+def graph_time(
+    fn: Callable[[], Any], n_calls: int, timer: Callable[[Callable[[], Any]], float], device: torch.device
+) -> tuple[float, str]:
+    """Per-call milliseconds of ``fn`` from a CUDA graph of ``n_calls`` back-to-back calls.
+
+    Each call of ``fn`` takes the next rotating buffer, so the graph reads n_calls distinct caches.
+    Timing eager calls measures the host instead: a Python-level launch of these kernels costs
+    more CPU time than the GPU needs for them at short prefixes (seen in the first H200 run). The
+    engine replays a captured step, so graph timing is the number that matters; on failure to
+    capture, fall back to eager timing and say so.
+    """
+    if device.type != "cuda":
+        return timer(fn), "eager"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(n_calls):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n_calls):
+                fn()
+        ms = timer(graph.replay) / n_calls
+        del graph
+        return ms, "graph"
+    except Exception as exc:  # noqa: BLE001 - record the reason, still give a number
+        torch.cuda.synchronize()
+        return timer(fn), f"eager ({type(exc).__name__}: {str(exc)[:120]})"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -248,6 +280,10 @@ def bench_config(
         k, v = rot.next()
         return tk.tree_attention_triton(q, k, v, prefix_t, None, ancestor_bits=bits)
 
+    how: dict[str, str] = {}
+    row["timing_mode"] = how
+    n_calls = min(n_bufs, args.max_graph_calls)
+    row["graph_calls"] = n_calls
     for name, fn in (
         ("sdpa_ref", sdpa_ref),
         ("sdpa_gqa", sdpa_gqa),
@@ -255,18 +291,28 @@ def bench_config(
         ("triton_prepacked", triton_prepacked),
     ):
         try:
-            times[name] = timer(fn)
+            times[name], how[name] = graph_time(fn, n_calls, timer, device)
         except Exception as exc:  # noqa: BLE001 - a failed baseline is a result, not a crash
             times[name] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+    # Host-inclusive eager time of the dispatcher-level call, for the record.
+    times["triton_eager"] = timer(triton_call)
 
     # --- FlexAttention (compiled), bounded by a wall-clock budget; a head shape that failed once
     # is not recompiled for every prefix.
     head_key = f"{hq}/{hkv}/{d}"
-    if head_key in flex_state["failed"]:
+    if not args.flex:
+        times["flex"] = "skipped: --no-flex"
+    elif head_key in flex_state["failed"]:
         times["flex"] = f"skipped: failed before ({flex_state['failed'][head_key][:80]})"
-    elif time.perf_counter() - t_start > args.flex_deadline_s:
+    elif (hq, hkv, d) not in flex_state["heads"]:
+        times["flex"] = "skipped: not in --flex-heads"
+    elif (
+        time.perf_counter() - t_start > args.flex_deadline_s
+        or flex_state["spent"].get(head_key, 0.0) > args.flex_budget_per_head_s
+    ):
         times["flex"] = "skipped: time budget"
     else:
+        t_flex = time.perf_counter()
         try:
             flex = build_flex(n, prefix, kv_len, anc, device, compiled=device.type == "cuda")
 
@@ -279,17 +325,24 @@ def bench_config(
                 flex(q, k[:, :, :kv_len], v[:, :, :kv_len]), sdpa_gqa_check(q, k, v, kv_len, mask)
             )
             row["flex_rel_err"] = fl_err
-            times["flex"] = timer(flex_call)
+            times["flex"], how["flex"] = graph_time(flex_call, n_calls, timer, device)
         except Exception as exc:  # noqa: BLE001
             msg = f"error: {type(exc).__name__}: {str(exc)[:300]}"
             times["flex"] = msg
             flex_state["failed"][head_key] = msg
+        flex_state["spent"][head_key] = flex_state["spent"].get(head_key, 0.0) + time.perf_counter() - t_flex
 
     # --- tile / split sweep at long prefixes.
-    if args.sweep and prefix >= args.sweep_min_prefix:
+    if (
+        args.sweep
+        and prefix >= args.sweep_min_prefix
+        and time.perf_counter() - t_start < args.sweep_deadline_s
+    ):
         base = tk.choose_config(1, hq, hkv, n, d, capacity, dtype, device)
         row["default_config"] = base.__dict__
         sweep: list[dict[str, Any]] = []
+        k_s, v_s = bufs[0]
+        ref_s = ta.tree_attention_reference(q.float(), k_s.float(), v_s.float(), prefix, anc)
         for variant in SWEEP:
             kw = {k: v for k, v in variant.items() if k != "split_scale"}
             cfg = tk.choose_config(1, hq, hkv, n, d, capacity, dtype, device, **kw)
@@ -299,16 +352,14 @@ def bench_config(
             entry: dict[str, Any] = {"config": cfg.__dict__}
             try:
                 out = torch.full_like(q, float("nan"))
-                k, v = bufs[0]
-                tk.tree_attention_triton(q, k, v, prefix_t, None, ancestor_bits=bits, out=out, config=cfg)
-                ref = ta.tree_attention_reference(q.float(), k.float(), v.float(), prefix, anc)
-                entry["rel_err"] = rel_err(out, ref)
+                tk.tree_attention_triton(q, k_s, v_s, prefix_t, None, ancestor_bits=bits, out=out, config=cfg)
+                entry["rel_err"] = rel_err(out, ref_s)
 
                 def fn(cfg: tk.LaunchConfig = cfg) -> torch.Tensor:
                     kk, vv = rot.next()
                     return tk.tree_attention_triton(q, kk, vv, prefix_t, None, ancestor_bits=bits, config=cfg)
 
-                entry["ms"] = timer(fn)
+                entry["ms"], entry["timing"] = graph_time(fn, n_calls, timer, device)
             except Exception as exc:  # noqa: BLE001
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             sweep.append(entry)
@@ -378,10 +429,21 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--smoke", action="store_true", help="tiny fp16 shapes on the CPU interpreter")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
-    ap.add_argument("--sweep-min-prefix", type=int, default=8192)
-    ap.add_argument("--flex-deadline-s", type=float, default=150.0, help="no new flex compiles after this")
+    ap.add_argument("--sweep-min-prefix", type=int, default=32768)
+    ap.add_argument("--flex-deadline-s", type=float, default=170.0, help="no new flex compiles after this")
+    ap.add_argument(
+        "--flex-budget-per-head-s", type=float, default=50.0, help="flex wall time per head shape"
+    )
+    ap.add_argument("--sweep-trees", default="64,128", help="tree sizes the sweep runs at")
+    ap.add_argument("--no-flex", dest="flex", action="store_false")
+    ap.add_argument("--heads", default=None, help="e.g. 9/3/64,32/8/128")
+    ap.add_argument("--prefixes", default=None, help="e.g. 512,2048,8192,32768")
+    ap.add_argument("--trees", default=None, help="e.g. 16,64,128")
     ap.add_argument("--rotate-bytes", type=int, default=ROTATE_BYTES)
-    ap.add_argument("--max-bufs", type=int, default=128)
+    ap.add_argument("--max-bufs", type=int, default=256)
+    ap.add_argument("--max-graph-calls", type=int, default=256)
+    ap.add_argument("--sweep-deadline-s", type=float, default=190.0, help="no sweep after this")
+    ap.add_argument("--flex-heads", default=None, help="head shapes to try flex on (default: all)")
     args = ap.parse_args()
 
     out_dir = Path(args.out)
@@ -394,6 +456,18 @@ def main() -> None:
         heads, prefixes, trees, dtype = [(3, 1, 64), (4, 2, 128)], [40], [8], torch.float16
         args.rotate_bytes, args.max_bufs, args.sweep_min_prefix = 1 << 16, 3, 0
         SWEEP[:] = SWEEP[:2] + SWEEP[-1:]
+    if args.heads:
+        heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+    if args.prefixes:
+        prefixes = [int(x) for x in args.prefixes.split(",")]
+    if args.trees:
+        trees = [int(x) for x in args.trees.split(",")]
+    # One compiled flex per shape: keep dynamo from falling back to eager after 8 recompiles.
+    import torch._dynamo as dynamo
+
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, 256)
     timer = make_timer(device)
     import triton
 
@@ -416,7 +490,10 @@ def main() -> None:
     log(f"# copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
 
     rows: list[dict[str, Any]] = []
-    flex_state: dict[str, Any] = {"failed": {}}
+    flex_heads = heads
+    if args.flex_heads:
+        flex_heads = [tuple(int(x) for x in h.split("/")) for h in args.flex_heads.split(",")]
+    flex_state: dict[str, Any] = {"failed": {}, "spent": {}, "heads": set(flex_heads)}
     result: dict[str, Any] = {"meta": meta, "rows": rows}
     json_path = out_dir / "bench_tree_attention.json"
     for hq, hkv, d in heads:
@@ -461,21 +538,27 @@ def main() -> None:
     log(f"# tree attention, {meta['device']}, {dtype}, B=1, {meta['date']}, copy bw {bw / 1e9:.0f} GB/s")
     hdr = (
         f"{'Hq/Hkv/D':>9} {'N':>4} {'prefix':>6} {'sdpa_ref':>8} {'sdpa_gqa':>8} {'flex':>8} {'triton':>7} "
-        f"{'prepack':>7} {'x_sdpa':>6} {'floor':>6} {'x_floor':>7} {'best_sw':>7} {'ok':>3}"
+        f"{'prepack':>7} {'eager':>7} {'x_sdpa':>6} {'floor':>6} {'x_floor':>7} {'best_sw':>7} {'ok':>3}"
     )
-    log(hdr + "   (times in us)")
+    log(hdr + "   (us per call; CUDA-graph replay unless marked *)")
     for r in rows:
         tm = r.get("times_ms", {})
+        how = r.get("timing_mode", {})
         tri = tm.get("triton")
         sd = [x for x in (tm.get("sdpa_ref"), tm.get("sdpa_gqa")) if isinstance(x, float)]
         best_sdpa = min(sd) if sd else None
         spd = best_sdpa / tri if best_sdpa and isinstance(tri, float) else None
         xf = tri * 1e3 / r["floor_us"] if isinstance(tri, float) and "floor_us" in r else None
         sw = [e["ms"] for e in r.get("sweep", []) if "ms" in e and e.get("rel_err", 1) < 1e-2]
+
+        def cell(name: str, width: int, tm: dict = tm, how: dict = how) -> str:
+            mark = "*" if name in how and how[name] != "graph" else ""
+            return f"{fmt(tm.get(name), 1e3) + mark:>{width}}"
+
         log(
-            f"{r['hq']:>3}/{r['hkv']}/{r['d']:<3} {r['n']:>4} {r['prefix']:>6} {fmt(tm.get('sdpa_ref'), 1e3):>8} "
-            f"{fmt(tm.get('sdpa_gqa'), 1e3):>8} {fmt(tm.get('flex'), 1e3):>8} {fmt(tri, 1e3):>7} "
-            f"{fmt(tm.get('triton_prepacked'), 1e3):>7} {fmt(spd):>6} {fmt(r.get('floor_us')):>6} "
+            f"{r['hq']:>3}/{r['hkv']}/{r['d']:<3} {r['n']:>4} {r['prefix']:>6} {cell('sdpa_ref', 8)} "
+            f"{cell('sdpa_gqa', 8)} {cell('flex', 8)} {cell('triton', 7)} {cell('triton_prepacked', 7)} "
+            f"{fmt(tm.get('triton_eager'), 1e3):>7} {fmt(spd):>6} {fmt(r.get('floor_us')):>6} "
             f"{fmt(xf, 1, 2):>7} {fmt(min(sw) if sw else None, 1e3):>7} {'y' if r.get('correct') else 'N':>3}"
         )
     g = result.get("graph", {})
