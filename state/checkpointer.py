@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -353,7 +352,11 @@ class AsyncRedisSaver(RedisSaverBase):
                 "AsyncRedisSaver's synchronous methods need its event loop running in another "
                 "thread; call the a* methods (ainvoke/astream), or use RedisSaver for sync code."
             )
-        if threading.get_ident() == getattr(loop, "_thread_id", None):
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
             coro.close()
             raise StateError(
                 "A synchronous AsyncRedisSaver method was called on its own event loop's thread, "

@@ -8,10 +8,11 @@ dirs, which is the opposite of what a state store needs) as a subprocess of its 
 * data lives in ``Settings.data_dir`` (``ELESIUM_DATA_DIR``, default ``~/.local/share/elesium``),
   in ``valkey/``: ``valkey.conf``, the AOF directory, the pidfile, a log and the socket;
 * persistence is the append-only file. ``appendfsync everysec`` (the default) fsyncs once a
-  second, so a power loss or ``kill -9`` of the *machine's* kernel can lose up to ~1 s of writes
-  that were already acknowledged (a crash of only the server process loses nothing: the data is
-  in the kernel's page cache). ``appendfsync always`` (``ELESIUM_APPENDFSYNC=always``) fsyncs before
-  every reply, so an acknowledged checkpoint is on disk, at a cost of one fsync per write;
+  second: a crash can lose up to ~1 s of writes that were already acknowledged (up to ~2 s when
+  the disk stalls, because Valkey then postpones the AOF write). Usually only an OS crash or
+  power loss hits that window, since a write() already in the page cache survives ``kill -9`` of
+  the server, but nothing guarantees it. ``appendfsync always`` (``ELESIUM_APPENDFSYNC=always``)
+  fsyncs before replying, so every acknowledged checkpoint is on disk, for one fsync per write;
 * it listens on a unix socket inside the data dir (or on 127.0.0.1 when the socket path would be
   too long, or when asked), never on a public interface;
 * it is stopped with ``SHUTDOWN`` (which flushes and fsyncs the AOF) and waited for; SIGKILL is
