@@ -299,6 +299,8 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
         return None
 
     def _op_delete_for_runs(self, run_ids: Sequence[str]) -> Op:
+        # Blobs are left alone: checkpoints of other runs may share them. prune() or
+        # delete_thread() reclaims what becomes unreferenced.
         if not run_ids:
             return None
         keys = yield Scan(K.nss_pattern(self.prefix))
