@@ -336,6 +336,7 @@ def bench_config(
     if (
         args.sweep
         and prefix >= args.sweep_min_prefix
+        and (device.type != "cuda" or n in {int(x) for x in args.sweep_trees.split(",")})
         and time.perf_counter() - t_start < args.sweep_deadline_s
     ):
         base = tk.choose_config(1, hq, hkv, n, d, capacity, dtype, device)
@@ -343,7 +344,8 @@ def bench_config(
         sweep: list[dict[str, Any]] = []
         k_s, v_s = bufs[0]
         ref_s = ta.tree_attention_reference(q.float(), k_s.float(), v_s.float(), prefix, anc)
-        for variant in SWEEP:
+        variants = SWEEP if args.sweep_set == "full" else [v for v in SWEEP if "split_scale" in v]
+        for variant in variants:
             kw = {k: v for k, v in variant.items() if k != "split_scale"}
             cfg = tk.choose_config(1, hq, hkv, n, d, capacity, dtype, device, **kw)
             if "split_scale" in variant:
@@ -435,6 +437,9 @@ def main() -> None:
         "--flex-budget-per-head-s", type=float, default=50.0, help="flex wall time per head shape"
     )
     ap.add_argument("--sweep-trees", default="64,128", help="tree sizes the sweep runs at")
+    ap.add_argument(
+        "--sweep-set", choices=("full", "splits"), default="full", help="splits: split count only"
+    )
     ap.add_argument("--no-flex", dest="flex", action="store_false")
     ap.add_argument("--heads", default=None, help="e.g. 9/3/64,32/8/128")
     ap.add_argument("--prefixes", default=None, help="e.g. 512,2048,8192,32768")

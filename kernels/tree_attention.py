@@ -92,11 +92,16 @@ def tree_attention(
     prefix_len: PrefixLen,
     ancestors: torch.Tensor,
     scale: float | None = None,
+    *,
+    ancestor_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA where it applies, the reference elsewhere.
 
     The Triton module is imported lazily so that CPU-only installs never need Triton. Forcing
     ``triton`` on an unsupported input raises instead of silently falling back.
+    ``ancestor_bits`` (optional, from ``triton_tree_attention.pack_ancestor_bits(ancestors)``)
+    lets a caller whose tree topology is fixed pack once: packing costs 2-3 small kernels a call.
+    The reference path ignores it and uses ``ancestors``.
     """
     backend = _backend()
     if backend == "reference":
@@ -108,5 +113,7 @@ def tree_attention(
             if backend == "triton":
                 raise
             return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
-        return tree_attention_triton(q, k_cache, v_cache, prefix_len, ancestors, scale)
+        return tree_attention_triton(
+            q, k_cache, v_cache, prefix_len, ancestors, scale, ancestor_bits=ancestor_bits
+        )
     return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)

@@ -338,22 +338,25 @@ def choose_config(
     num_stages: int | None = None,
     num_prefix_splits: int | None = None,
 ) -> LaunchConfig:
-    """Pick tiles from static shapes; any field may be forced (the benchmark sweeps them)."""
+    """Pick tiles from static shapes; any field may be forced (the benchmark sweeps them).
+
+    Chosen from the H200 sweep at 32K prefix (kernels/NOTES.md, run 2, CUDA-graph timing):
+    head_dim 64 runs best with 64-row tiles and 4 warps, head_dim 128 with 128-row tiles and
+    8 warps; 3 pipeline stages beat 2. About one prefix CTA per SM beat two: fewer splits mean
+    fewer fp32 partials to write and merge, and each split's fixed prologue/epilogue is paid less.
+    """
     rows = (hq // hkv) * n_nodes
     if block_m is None:
-        block_m = 64 if rows <= 64 or (rows <= 192 and head_dim == 128) else 128
-        if dtype == torch.float32:
-            block_m = 64
+        block_m = 64 if head_dim == 64 or rows <= 64 or dtype == torch.float32 else 128
     if block_n is None:
         block_n = 64 if dtype != torch.float32 or head_dim == 64 else 32
     if num_warps is None:
         num_warps = 4 if block_m == 64 else 8
     if num_stages is None:
-        # H200 run 1 (eager timing, GPU-bound rows only): 3 stages beat 2 for D=128 at 32K prefix.
         num_stages = 3
     if num_prefix_splits is None:
         base = triton.cdiv(rows, block_m) * batch * hkv
-        target = 2 * _sm_count(device)
+        target = _sm_count(device)
         max_splits = max(1, triton.cdiv(capacity, 2 * block_n))  # >= 2 blocks per split at capacity
         num_prefix_splits = max(1, min(triton.cdiv(target, base), max_splits, 128))
     return LaunchConfig(block_m, block_n, num_warps, num_stages, num_prefix_splits)

@@ -184,6 +184,8 @@ def test_dispatcher_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(tree_attention(q, k, v, 20, anc), ref)  # CPU tensors: reference
     monkeypatch.setenv("ELESIUM_TREE_ATTENTION", "triton")  # interpreter runs it on the CPU
     assert rel_err(tree_attention(q, k, v, torch.tensor(20), anc), ref.double()) < 1e-5
+    bits = _kernel().pack_ancestor_bits(anc)
+    assert rel_err(tree_attention(q, k, v, 20, anc, ancestor_bits=bits), ref.double()) < 1e-5
     monkeypatch.setenv("ELESIUM_TREE_ATTENTION", "bogus")
     with pytest.raises(ValueError):
         tree_attention(q, k, v, 20, anc)
