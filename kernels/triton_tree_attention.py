@@ -411,6 +411,8 @@ def tree_attention_triton(
     part_lse = torch.empty((rows_total, num_splits), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must match q's shape and dtype, with a contiguous head dimension")
 
     m_tiles = triton.cdiv(group * n_nodes, config.block_m)
     grid = (m_tiles, batch * hkv, num_splits)
