@@ -80,19 +80,27 @@ class Tree:
             out.append(out[self.parents[node]] + (self.ranks[node],))
         return tuple(out)
 
-    def ancestors(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``[N, N]`` bool: row i marks i and its ancestors (what node i may attend to)."""
+    @cached_property
+    def _ancestors(self) -> torch.Tensor:
         anc = torch.zeros(self.size, self.size, dtype=torch.bool)
         for node in range(self.size):
             anc[node, node] = True
             parent = self.parents[node]
             if parent >= 0:
                 anc[node] |= anc[parent]
-        return anc.to(device)
+        return anc
+
+    @cached_property
+    def _depths(self) -> torch.Tensor:
+        return torch.tensor(self.depths)
+
+    def ancestors(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[N, N]`` bool: row i marks i and its ancestors (what node i may attend to)."""
+        return self._ancestors.to(device)
 
     def positions(self, offset: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """RoPE positions: a node at depth d sits d places after the root's slot."""
-        return offset + torch.tensor(self.depths, device=device)
+        return (offset + self._depths).to(device)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the root to ``node``, inclusive."""

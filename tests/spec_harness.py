@@ -1,0 +1,115 @@
+"""A tiny random model and heads for exactness statistics (real maths, synthetic weights).
+
+Exactness is a property of the verification algorithm, so it is checked where the whole joint
+distribution can be enumerated: a vocabulary of 8 tokens, with the exact vanilla distribution of
+the next tokens computed by brute force through the same ``target_probs`` vanilla sampling uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from elesium.inference.config import ModelConfig
+from elesium.inference.forward import ForwardRunner
+from elesium.inference.model import Transformer
+from elesium.inference.sampling import Sampler, SamplingParams, target_probs
+from elesium.inference.speculative import MedusaDecoder
+from elesium.inference.tree_policy import TreePolicy
+
+VOCAB = 8
+
+
+class RandomHeads(nn.Module):
+    """Random residual heads: deliberately imperfect drafts, so both accept and reject paths run."""
+
+    def __init__(self, hidden: int, num_heads: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.num_heads = num_heads
+        self.weights = nn.Parameter(torch.randn(num_heads, hidden, hidden, generator=g) * 0.5, requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([hidden + torch.nn.functional.silu(hidden @ w.T) for w in self.weights])
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+    model = Transformer(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # entropy between one-hot and uniform: top-p trims, drafts often miss
+    return model
+
+
+@torch.inference_mode()
+def exact_joint(model: Transformer, prefix: list[int], first: int, params: SamplingParams, n: int) -> dict:
+    """P(next n tokens) after ``prefix + [first]`` under vanilla sampling, by enumeration."""
+    out: dict[tuple[int, ...], float] = {}
+    for seq in itertools.product(range(VOCAB), repeat=n):
+        ids = prefix + [first] + list(seq)
+        cache = model.new_cache(len(ids) + 1)
+        logits = model.logits(model(torch.tensor([ids]), torch.arange(len(ids)), cache, 0)[0])
+        p = 1.0
+        for i, tok in enumerate(seq):
+            p *= float(target_probs(logits[len(prefix) + i], params)[tok])
+        out[seq] = p
+    return out
+
+
+@torch.inference_mode()
+def speculative_samples(model: Transformer, heads: nn.Module, policy: TreePolicy, prefix: list[int], first: int,
+                        params: SamplingParams, n: int, samples: int, seed: int, mode: str = "medusa") -> dict:
+    """Counts of the next ``n`` tokens the Medusa decoder commits after ``prefix + [first]``."""
+    cache = model.new_cache(len(prefix) + 4 * policy.max_tree_size + n + 8)
+    runner = ForwardRunner(model, cache)
+    sampler = Sampler(seed)
+    base = MedusaDecoder(runner, heads, params, sampler, policy, mode)
+    base.prefill(prefix)
+    snapshot = (cache.k.clone(), cache.v.clone(), base.hidden.clone())
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(samples):
+        cache.k.copy_(snapshot[0])
+        cache.v.copy_(snapshot[1])
+        dec = MedusaDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode)
+        dec.offset, dec.pending, dec.hidden = len(prefix), first, snapshot[2]
+        got: list[int] = []
+        while len(got) < n:
+            got.extend(dec.step()[0])
+        key = tuple(got[:n])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _policy_args(policy: TreePolicy) -> dict:
+    return dict(kind=policy.kind, static_paths=policy.static_paths, max_nodes=policy.max_nodes,
+                topk=policy.topk, draft_temperature=policy.draft_temperature, adapt=False)
+
+
+def chi_square_p(counts: dict, expected_probs: dict, samples: int) -> float:
+    """Pearson goodness of fit, merging cells with expected count < 5 into one."""
+    from scipy.stats import chi2
+
+    observed, expected = [], []
+    rest_o, rest_e = 0.0, 0.0
+    for key, p in expected_probs.items():
+        e = p * samples
+        o = counts.get(key, 0)
+        if e < 5:
+            rest_o += o
+            rest_e += e
+        else:
+            observed.append(o)
+            expected.append(e)
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    # Mass outside the expected support (impossible tokens) makes the fit fail outright.
+    impossible = sum(c for k, c in counts.items() if expected_probs.get(k, 0.0) == 0.0)
+    if impossible:
+        return 0.0
+    return float(chi2.sf(stat, max(1, len(observed) - 1)))
