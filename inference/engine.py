@@ -26,8 +26,10 @@ import torch
 
 from elesium.config import Settings
 from elesium.inference.forward import CudaGraphRunner, ForwardRunner
+from elesium.inference.heads import HeadsMismatchError, load_heads
 from elesium.inference.loading import LoadedWeights, load_weights
 from elesium.inference.model import Transformer, build_model
+from elesium.inference.profile import find_profile
 from elesium.inference.records import Chunk, DecodeMode, FinishReason, Generation, StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.speculative import MedusaDecoder
@@ -92,15 +94,36 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
+             heads: str | Path | None = "default", policy: TreePolicy | None = None,
              max_len: int | None = None, cuda_graphs: bool | None = None,
              settings: Settings | None = None) -> "Engine":
-        """Load a GGUF file / HF directory (None: ``ELESIUM_MODEL`` or the bundled model)."""
+        """Load a model and, where they exist, its Medusa heads and tuning profile.
+
+        Args:
+            model: GGUF file or HF directory; None reads ``ELESIUM_MODEL``, else the bundled model.
+            heads: "default" loads the shipped heads when they were trained for this exact model
+                (by sha256) and runs vanilla-only otherwise; a path must match or it raises;
+                None disables speculative decoding.
+            policy: tree policy; None uses the tuned profile for this device, if any.
+        """
         settings = settings or Settings.from_env()
         dev = resolve_device(device if device != "auto" else settings.device)
         dt = resolve_dtype(dtype if dtype != "auto" else settings.dtype, dev)
         weights = load_weights(model if model is not None else settings.model, settings.cache_dir)
         net = build_model(weights.config, weights.state, dev, dt)
-        return cls(net, weights.tokenizer, weights=weights, max_len=max_len, cuda_graphs=cuda_graphs)
+        medusa = None
+        if heads == "default":
+            try:
+                medusa = load_heads(None, base_sha256=weights.sha256, device=dev, dtype=dt)
+            except (FileNotFoundError, HeadsMismatchError):
+                medusa = None  # no heads trained for this model: vanilla decoding only
+        elif heads is not None:
+            medusa = load_heads(heads, base_sha256=weights.sha256, device=dev, dtype=dt)
+        if policy is None:
+            profile = find_profile(settings.cache_dir, weights.sha256, dev, dt)
+            policy = profile.policy() if profile is not None else None
+        return cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
+                   cuda_graphs=cuda_graphs)
 
     @property
     def modes(self) -> tuple[DecodeMode, ...]:

@@ -1,0 +1,131 @@
+"""``elesium tune``: measure this hardware and these heads, and pick the tree that is fastest here.
+
+Sequoia's observation is that the best tree depends on two curves: how the verification forward's
+cost grows with the number of tree nodes (flat on a GPU until compute saturates; steep on a CPU),
+and how likely each (depth, rank) draft is to be accepted. We measure both, choose the static tree
+that maximises expected tokens per millisecond, then run static and dynamic trees side by side on
+calibration prompts and keep the faster. Calibration prompts come from the training templates
+(never from MT-Bench, which is the evaluation set).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from elesium.inference.engine import Engine
+from elesium.inference.profile import TuneProfile, best_static_tree, device_kind
+from elesium.inference.sampling import SamplingParams
+from elesium.inference.tree import Tree
+from elesium.inference.tree_policy import TreePolicy
+
+COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def _sync(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_tree(size: int, rng: random.Random) -> Tree:
+    parents = [-1] + [rng.randrange(max(0, i - 4), i) for i in range(1, size)]
+    depths = [0] * size
+    for i in range(1, size):
+        depths[i] = depths[parents[i]] + 1
+    return Tree(tuple(parents), tuple(depths), tuple([-1] + [0] * (size - 1)))
+
+
+@torch.inference_mode()
+def forward_cost_curve(engine: Engine, prefix_len: int = 500, sizes: Sequence[int] = COST_SIZES,
+                       repeats: int = 7) -> dict[int, float]:
+    """Median ms of one verification forward of N tree nodes over a ``prefix_len`` cache."""
+    rng = random.Random(0)
+    vocab = engine.model.config.vocab_size
+    engine.runner.prefill([rng.randrange(vocab) for _ in range(prefix_len)])
+    dev = engine.model.device
+    out: dict[int, float] = {}
+    for n in sizes:
+        if prefix_len + n > engine.cache.max_len:
+            break
+        tree = random_tree(n, rng)
+        tokens = torch.tensor([[rng.randrange(vocab) for _ in range(n)]], device=dev)
+        args = (tokens, tree.positions(prefix_len, dev), prefix_len, tree.ancestors(dev))
+        for _ in range(2):
+            engine.runner.decode(*args)
+        times = []
+        for _ in range(repeats):
+            _sync(engine)
+            start = time.perf_counter()
+            engine.runner.decode(*args)
+            _sync(engine)
+            times.append(1000 * (time.perf_counter() - start))
+        out[n] = statistics.median(times)
+    return out
+
+
+@torch.inference_mode()
+def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96, topk: int = 10) -> list[list[float]]:
+    """acceptance[d][r]: how often head d+1's rank-r token equals the base model's greedy token."""
+    heads, model = engine.heads, engine.model
+    assert heads is not None
+    hits = torch.zeros(heads.num_heads, topk)
+    total = 0
+    for prompt in prompts:
+        gen = engine.generate(prompt, SamplingParams(max_tokens=max_tokens), mode="vanilla")
+        ids = engine.encode_prompt(prompt) + list(gen.token_ids)
+        start = len(ids) - len(gen.token_ids) - 1  # hidden at the last prompt token predicts gen[0]
+        cache = model.new_cache(len(ids) + 1)
+        hidden = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device),
+                       cache, 0)[0]
+        target = torch.tensor(ids, device=model.device)
+        for t in range(start, len(ids) - 1 - heads.num_heads):
+            top = torch.topk(model.logits(heads(hidden[t])), topk, dim=-1).indices  # [heads, topk]
+            truth = target[t + 2: t + 2 + heads.num_heads]
+            hits += (top == truth[:, None]).float().cpu()
+            total += 1
+    return (hits / max(1, total)).tolist()
+
+
+def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 4, ab_tokens: int = 64,
+         log: Callable[[str], None] = print) -> TuneProfile:
+    if engine.heads is None:
+        raise ValueError("tuning needs Medusa heads for this model (train them with `elesium train-heads`)")
+    log("measuring the verification forward's cost curve ...")
+    curve = forward_cost_curve(engine)
+    log("  " + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in curve.items()))
+    log(f"measuring head acceptance on {len(prompts)} calibration prompts ...")
+    acceptance = head_acceptance(engine, prompts)
+    log("  top-1 by head: " + ", ".join(f"{row[0]:.2f}" for row in acceptance))
+    sizes, costs = list(curve), list(curve.values())
+    profile = TuneProfile(device_kind=device_kind(engine.model.device),
+                          dtype=str(engine.model.dtype).removeprefix("torch."),
+                          model_sha256=engine.weights_info.sha256 if engine.weights_info else "",
+                          cost_sizes=sizes, cost_ms=costs, step_overhead_ms=0.0, acceptance=acceptance,
+                          created=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    # Per-step overhead (heads, tree building, verification, compaction) from a real generation.
+    probe = TreePolicy(kind="static", static_paths=((0,),), cost=profile.cost_curve())
+    engine.policy = probe
+    gen = engine.generate(prompts[0], SamplingParams(max_tokens=32), mode="medusa")
+    profile.step_overhead_ms = max(0.0, statistics.median(1000 * s.elapsed_s for s in gen.steps)
+                                   - profile.cost_curve()(2))
+    paths, expected = best_static_tree(acceptance, profile.cost_curve(), max_nodes=max(sizes))
+    profile.static_paths, profile.expected_tokens_per_step = paths, expected
+    profile.max_nodes = min(max(sizes), max(8, 2 * (len(paths) + 1)))
+    log(f"  step overhead {profile.step_overhead_ms:.2f} ms; best static tree: {len(paths) + 1} nodes, "
+        f"expected {expected:.2f} tokens/step")
+    # Side by side: static against dynamic, alternating order, on the calibration prompts.
+    rates: dict[str, list[float]] = {"static": [], "dynamic": []}
+    for i, prompt in enumerate(prompts[:ab_prompts]):
+        for kind in (("static", "dynamic") if i % 2 == 0 else ("dynamic", "static")):
+            profile.kind = kind
+            engine.policy = profile.policy()
+            rates[kind].append(engine.generate(prompt, SamplingParams(max_tokens=ab_tokens), mode="medusa").tokens_per_s)
+    medians = {k: statistics.median(v) for k, v in rates.items()}
+    profile.kind = max(medians, key=medians.__getitem__)
+    engine.policy = profile.policy()
+    log(f"  tokens/s static {medians['static']:.1f}, dynamic {medians['dynamic']:.1f}: using {profile.kind}")
+    return profile
