@@ -280,7 +280,7 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         opt.step()
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{float(total):.3f}", lr=f"{lr_at(step - 1, cfg):.2e}", refresh=False)
+        bar.set_postfix(loss=f"{float(total.detach()):.3f}", lr=f"{lr_at(step - 1, cfg):.2e}", refresh=False)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             with autocast:
                 held = evaluate(heads, model, val_cache)
