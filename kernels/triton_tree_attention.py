@@ -340,10 +340,12 @@ def choose_config(
 ) -> LaunchConfig:
     """Pick tiles from static shapes; any field may be forced (the benchmark sweeps them).
 
-    Chosen from the H200 sweep at 32K prefix (kernels/NOTES.md, run 2, CUDA-graph timing):
+    From the H200 sweeps at 32K prefix (kernels/NOTES.md, runs 2-3, CUDA-graph timing):
     head_dim 64 runs best with 64-row tiles and 4 warps, head_dim 128 with 128-row tiles and
-    8 warps; 3 pipeline stages beat 2. About one prefix CTA per SM beat two: fewer splits mean
-    fewer fp32 partials to write and merge, and each split's fixed prologue/epilogue is paid less.
+    8 warps; 3 pipeline stages beat 2. The split count must fill the chip in ONE wave of prefix
+    CTAs, never a little more: with 128-row tiles one CTA fits per SM, and 144 CTAs on 132 SMs
+    ran 1.5x slower than 128 (the 12 leftovers form a second full-length wave). So splits =
+    floor(resident CTA slots / CTAs per split), with 2 slots per SM only for the small D=64 tile.
     """
     rows = (hq // hkv) * n_nodes
     if block_m is None:
@@ -356,9 +358,9 @@ def choose_config(
         num_stages = 3
     if num_prefix_splits is None:
         base = triton.cdiv(rows, block_m) * batch * hkv
-        target = _sm_count(device)
+        slots = _sm_count(device) * (2 if block_m == 64 and head_dim == 64 else 1)
         max_splits = max(1, triton.cdiv(capacity, 2 * block_n))  # >= 2 blocks per split at capacity
-        num_prefix_splits = max(1, min(triton.cdiv(target, base), max_splits, 128))
+        num_prefix_splits = max(1, min(slots // base, max_splits, 128))
     return LaunchConfig(block_m, block_n, num_warps, num_stages, num_prefix_splits)
 
 
