@@ -8,7 +8,11 @@ bf16, so fp32 and fp16 stand in; bf16 is checked on the GPU by kernels/bench_tre
 from __future__ import annotations
 
 import os
+import sys
 
+# Triton's own @jit helpers (tl.zeros, ...) are bound when triton is first imported, so the
+# interpreter only works if the variable was set before that import anywhere in the session.
+_TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util
@@ -30,6 +34,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 def _kernel() -> ModuleType:
+    if _TRITON_IMPORTED_TOO_EARLY:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py")
     from elesium.kernels import triton_tree_attention
 
     return triton_tree_attention
