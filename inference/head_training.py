@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from elesium.inference.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
-from elesium.inference.heads import MedusaHeads, save_heads
+from elesium.inference.heads import MedusaHeads, read_manifest, save_heads
 from elesium.inference.model import Transformer
 
 Log = Callable[[str], None]
@@ -284,7 +284,7 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         if step % cfg.eval_every == 0 or step == cfg.steps:
             with autocast:
                 held = evaluate(heads, model, val_cache)
-            history.append({"step": step, "train_loss": float(total), "held_out": held})
+            history.append({"step": step, "train_loss": float(total.detach()), "held_out": held})
             log(f"step {step}: " + "  ".join(f"h{h['head']} {h['top1']:.3f}/{h['top5']:.3f}" for h in held))
         if step % cfg.ckpt_every == 0:
             save_ckpt()
@@ -326,4 +326,4 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
     }
     save_heads(heads, cfg.out, manifest)
     log(f"wrote {cfg.out / 'heads.safetensors'} and manifest.json ({time.monotonic() - t0:.0f}s total)")
-    return manifest
+    return read_manifest(cfg.out)

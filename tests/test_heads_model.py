@@ -1,0 +1,64 @@
+"""Medusa heads against the real bundled model: batched generation, shipped heads, the eval-heads CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from elesium.cli import main
+from elesium.inference.distill import generate_batch
+from elesium.inference.heads import MedusaHeads, load_heads, save_heads
+
+PROMPTS = ["Summarise: the VPN is down for the whole floor since 9am.",
+           "What is 17 + 25?",
+           "Write a haiku about incident reviews and the long night before the fix finally shipped to production."]
+
+
+def test_batched_greedy_equals_unbatched(engine):
+    ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == 3  # different lengths: left padding is exercised
+    eos = engine.tokenizer.eos_ids
+    batched = generate_batch(engine.model, ids, 4, eos_ids=eos)
+    for prompt, out in zip(ids, batched):
+        assert out == generate_batch(engine.model, [prompt], 4, eos_ids=eos)[0]
+        assert len(out) >= 1
+
+
+def test_shipped_heads_load_and_beat_zero_init(engine):
+    heads = load_heads(None, base_sha256=engine.weights_info.sha256, device="cpu", dtype=torch.float32)
+    assert heads.num_heads == 4
+    model, tok = engine.model, engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    answer = generate_batch(model, [ids], 12, eos_ids=tok.eos_ids)[0]
+    seq = torch.tensor([ids + answer])
+    with torch.inference_mode():
+        hidden = model(seq, torch.arange(seq.shape[1]), model.new_cache(seq.shape[1]), 0)[0]
+        p = len(ids) - 1
+        trained = heads.head_logits(model, hidden[p:-2])[0].argmax(-1)
+        untrained = MedusaHeads(576).head_logits(model, hidden[p:-2])[0].argmax(-1)
+    target = seq[0, p + 2:]
+    assert (trained == target).float().mean() > (untrained == target).float().mean()
+
+
+def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
+    # The CLI path end to end, minus a second multi-second model load: reuse the session's engine.
+    import elesium.commands.eval_heads as eval_heads
+
+    monkeypatch.setattr(eval_heads, "load_engine", lambda args: engine)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"turns": [PROMPTS[1], "again"]}) + "\n")
+    assert main(["eval-heads", "--prompts", str(prompts), "--max-tokens", "3", "--json", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [h["head"] for h in result["heads"]] == [1, 2, 3, 4]
+    assert all(0.0 <= h["top1"] <= h["top5"] <= 1.0 for h in result["heads"])
+    assert 2 <= result["tokens"] <= 6 and result["prompts"] == 2
+
+    wrong = save_heads(MedusaHeads(576, num_heads=2), tmp_path / "wrong", {"base_model": {"sha256": "0" * 64}})
+    assert main(["eval-heads", "--prompts", str(prompts), "--heads", str(wrong), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("elesium: error:") and "0" * 64 in err and engine.weights_info.sha256 in err
+    assert main(["eval-heads", "--prompts", str(tmp_path / "none.jsonl")]) == 1
+    assert "not found" in capsys.readouterr().err
