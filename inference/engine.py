@@ -84,13 +84,21 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.weights_info = weights
-        self.heads = heads
         self.policy = policy or TreePolicy()
         self.cache = model.new_cache(max_len)
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, buckets=GRAPH_BUCKETS) if use_graphs
-                                      else ForwardRunner(model, self.cache))
+        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, heads, buckets=GRAPH_BUCKETS) if use_graphs
+                                      else ForwardRunner(model, self.cache, heads))
         self._lock = threading.Lock()
+
+    @property
+    def heads(self) -> torch.nn.Module | None:
+        """The Medusa heads (None: vanilla decoding only). Setting them re-arms the runner."""
+        return self.runner.heads
+
+    @heads.setter
+    def heads(self, heads: torch.nn.Module | None) -> None:
+        self.runner.set_heads(heads)
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from elesium.inference.forward import ForwardRunner
+from elesium.inference.forward import ForwardRunner, StepOutputs, draft_topk
 from elesium.inference.records import DecodeMode, StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
+from elesium.inference.tree import Tree
 from elesium.inference.tree_policy import TreePolicy
 from elesium.inference.verify import Verdict, verify_greedy, verify_sampled, verify_typical
 
@@ -41,6 +42,7 @@ class MedusaDecoder:
         self.offset = 0
         self.pending = -1
         self.hidden: torch.Tensor | None = None
+        self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
         self.steps = 0
 
     @property
@@ -54,32 +56,39 @@ class MedusaDecoder:
         self.pending = self.sampler.pick(self.model.logits(self.hidden), self.params)
         return self.pending
 
-    def draft(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k tokens ``[heads, k]`` and their log-probabilities at the draft temperature."""
-        logits = self.model.logits(self.heads(self.hidden))  # [heads, V]
-        top = torch.topk(logits, self.policy.draft_topk(), dim=-1)
-        logprobs = top.values / self.policy.draft_temperature - torch.logsumexp(
-            logits / self.policy.draft_temperature, dim=-1, keepdim=True)
-        return top.indices.cpu(), logprobs.float().cpu()
+    def draft(self) -> tuple[list[list[int]], torch.Tensor]:
+        """Top-k tokens ``[heads][k]`` and their scores (log-probabilities over the draft temperature).
+
+        Dividing log-probabilities by the temperature is a monotone reshaping: it changes which
+        paths win across heads (the tree's shape), never the order within a head.
+        """
+        if self.drafts is None:  # not fused into the last step: run the heads on the kept node
+            tokens, logprobs = draft_topk(self.model, self.heads, self.hidden, self.policy.draft_topk())
+            self.drafts = (tokens.cpu(), logprobs.float().cpu())
+        tokens, logprobs = self.drafts
+        k = self.policy.draft_topk()
+        return tokens[:, :k].tolist(), logprobs[:, :k] / self.policy.draft_temperature
 
     def step(self) -> tuple[list[int], StepRecord]:
         start = time.perf_counter()
         draft_temperature = self.policy.draft_temperature
-        tokens_k, logprobs = self.draft()
+        draft_tokens, logprobs = self.draft()
         tree = self.policy.build(logprobs)
-        draft_tokens = tokens_k.tolist()
         node_tokens = [self.pending] + [draft_tokens[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
         dev = self.runner.device
-        hidden, logits = self.runner.decode(torch.tensor([node_tokens], device=dev),
-                                            tree.positions(self.offset, dev), self.offset, tree.ancestors(dev))
-        verdict = self._verify(tree, node_tokens, logits)
+        out = self.runner.decode(torch.tensor([node_tokens], device=dev), tree.positions(self.offset, dev),
+                                 self.offset, tree.ancestors(dev))
+        verdict = self._verify(tree, node_tokens, out)
         path = verdict.path
         if path != list(range(len(path))):
             src = torch.tensor([self.offset + n for n in path], device=dev)
             dst = torch.arange(self.offset, self.offset + len(path), device=dev)
             self.runner.cache.move(src, dst)
         self.offset += len(path)
-        self.hidden = hidden[path[-1]]
+        last = path[-1]
+        self.hidden = out.hidden[last].clone()  # the runner's buffers are reused next step
+        self.drafts = None if out.draft_tokens is None else (
+            out.draft_tokens[last].cpu(), out.draft_logprobs[last].float().cpu())
         self.pending = verdict.bonus
         committed = [node_tokens[n] for n in path[1:]] + [verdict.bonus]
         accepted_depth = len(path) - 1
@@ -92,9 +101,9 @@ class MedusaDecoder:
         self.steps += 1
         return committed, record
 
-    def _verify(self, tree, node_tokens: list[int], logits: torch.Tensor) -> Verdict:
+    def _verify(self, tree: Tree, node_tokens: list[int], out: StepOutputs) -> Verdict:
         if self.params.greedy:
-            return verify_greedy(tree, node_tokens, logits)
+            return verify_greedy(tree, node_tokens, out.greedy.tolist())
         if self.mode == "typical":
-            return verify_typical(tree, node_tokens, logits, self.params, self.sampler)
-        return verify_sampled(tree, node_tokens, logits, self.params, self.sampler)
+            return verify_typical(tree, node_tokens, out.logits, self.params, self.sampler)
+        return verify_sampled(tree, node_tokens, out.logits, self.params, self.sampler)

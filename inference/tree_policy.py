@@ -81,7 +81,9 @@ class TreePolicy:
         return self._static.size if self._static is not None else self.max_nodes
 
     def draft_topk(self) -> int:
-        return self._static.max_rank if self._static is not None else self.topk
+        from elesium.inference.forward import DRAFT_TOPK
+
+        return min(DRAFT_TOPK, self._static.max_rank if self._static is not None else self.topk)
 
     def build(self, head_logprobs: torch.Tensor) -> Tree:
         """``head_logprobs``: ``[heads, k]`` sorted top-k log-probabilities (at draft temperature)."""

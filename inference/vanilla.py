@@ -34,9 +34,8 @@ class VanillaDecoder:
     def step(self) -> tuple[list[int], StepRecord]:
         start = time.perf_counter()
         positions = torch.tensor([self.offset], device=self.runner.device)
-        _, logits = self.runner.decode(torch.tensor([[self.pending]], device=self.runner.device), positions,
-                                       self.offset)
-        token = self.sampler.pick(logits[0], self.params)
+        out = self.runner.decode(torch.tensor([[self.pending]], device=self.runner.device), positions, self.offset)
+        token = int(out.greedy[0]) if self.params.greedy else self.sampler.pick(out.logits[0], self.params)
         self.offset += 1
         self.pending = token
         record = StepRecord(step=self.steps, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,

@@ -33,9 +33,8 @@ class Verdict:
     bonus: int  # token sampled from the base model at the last accepted node
 
 
-def verify_greedy(tree: Tree, node_tokens: list[int], logits: torch.Tensor) -> Verdict:
-    """``logits [N, V]``: the base model's logits at every node."""
-    best = logits.argmax(-1).tolist()
+def verify_greedy(tree: Tree, node_tokens: list[int], best: list[int]) -> Verdict:
+    """``best[i]``: the base model's argmax token at node i."""
     node = 0
     path = [0]
     while True:
