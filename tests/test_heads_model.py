@@ -44,7 +44,7 @@ def test_shipped_heads_load_and_beat_zero_init(engine):
 
 def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     # The CLI path end to end, minus a second multi-second model load: reuse the session's engine.
-    import elesium.commands.eval_heads as eval_heads
+    from elesium.commands import eval_heads
 
     monkeypatch.setattr(eval_heads, "load_engine", lambda args: engine)
     prompts = tmp_path / "prompts.jsonl"
