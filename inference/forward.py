@@ -72,8 +72,8 @@ class ForwardRunner:
             outs.append(self.model(tokens, positions, self.cache, start + lo)[0])
         return torch.cat(outs)
 
-    def step_outputs(self, tokens: torch.Tensor, positions: torch.Tensor, offset: int | torch.Tensor,
-                     ancestors: torch.Tensor | None, with_drafts: bool) -> StepOutputs:
+    def step_outputs(self, tokens: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor | None,
+                     offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:
         """The step's whole device computation; the graph runner captures exactly this."""
         hidden = self.model(tokens, positions, self.cache, offset, ancestors)[0]
         logits = self.model.logits(hidden)
@@ -82,10 +82,20 @@ class ForwardRunner:
             out.draft_tokens, out.draft_logprobs = draft_topk(self.model, self.heads, hidden, DRAFT_TOPK)
         return out
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, offset: int,
+    def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None) -> StepOutputs:
-        """One verification forward over ``tokens [1, N]`` at cache slots ``offset...``."""
-        return self.step_outputs(tokens, positions, offset, ancestors, with_drafts=False)
+        """One verification forward of N tokens at cache slots ``offset...``.
+
+        Inputs arrive as host values (the decoders build trees on the CPU); each runner moves them to
+        the device its own way.
+        """
+        return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset, with_drafts=False)
+
+    def _device_inputs(self, tokens: list[int], positions: list[int],
+                       ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        dev = self.device
+        return (torch.tensor([tokens], device=dev), torch.tensor(positions, device=dev),
+                None if ancestors is None else ancestors.to(dev))
 
 
 class CudaGraphRunner(ForwardRunner):
@@ -112,18 +122,25 @@ class CudaGraphRunner(ForwardRunner):
         self.heads = heads
         self._graphs.clear()
 
-    def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]:
+    def _capture(self, n: int, first: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]:
+        """Capture bucket ``n``, with ``first`` (the staging layout) holding the call's real inputs.
+
+        Warm-up and capture really execute the step, cache writes included. With placeholder inputs
+        they would write junk K/V over live slots (slot 0 onwards), so they run on the step that
+        is about to run anyway: its writes are exactly the ones the replay makes again.
+        """
         dev = self.device
-        io = {
-            "tokens": torch.zeros(1, n, dtype=torch.long, device=dev),
-            "positions": torch.zeros(n, dtype=torch.long, device=dev),
-            "offset": torch.zeros((), dtype=torch.long, device=dev),
-            "ancestors": torch.eye(n, dtype=torch.bool, device=dev),
-        }
+        # Every per-step input lives in one int64 buffer (tokens | positions | offset | ancestor rows),
+        # filled by a single asynchronous copy from pinned host memory.
+        io = {"staging": first.pin_memory(), "device": first.to(dev)}
+        buf = io["device"]
 
         def body() -> StepOutputs:
-            return self.step_outputs(io["tokens"], io["positions"], io["offset"], io["ancestors"],
-                                     with_drafts=self.heads is not None)
+            tokens = buf[:n].view(1, n)
+            positions = buf[n:2 * n]
+            offset = buf[2 * n]
+            ancestors = buf[2 * n + 1:].view(n, n).bool()
+            return self.step_outputs(tokens, positions, ancestors, offset, with_drafts=self.heads is not None)
 
         # Warm up on a side stream (allocator and kernel selection), as torch's docs prescribe.
         side = torch.cuda.Stream()
@@ -138,22 +155,28 @@ class CudaGraphRunner(ForwardRunner):
         self._pool = graph.pool()
         return graph, io, out
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, offset: int,
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None) -> StepOutputs:
-        n = tokens.shape[1]
+        n = len(tokens)
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None or offset + bucket > self.cache.max_len:
-            return self.step_outputs(tokens, positions, offset, ancestors, with_drafts=self.fuses_drafts)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket)
-        graph, io, out = self._graphs[bucket]
-        io["tokens"][0, :n].copy_(tokens[0])
-        io["positions"][:n].copy_(positions)
-        io["positions"][n:].fill_(0)
-        io["offset"].fill_(offset)
-        anc = io["ancestors"]
-        anc.copy_(torch.eye(bucket, dtype=torch.bool, device=anc.device))
-        anc[:n, :n].copy_(ancestors if ancestors is not None else self.model.causal(n))
+            return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
+                                     with_drafts=self.fuses_drafts)
+        captured = self._graphs.get(bucket)
+        staging = captured[1]["staging"] if captured else torch.zeros(2 * bucket + 1 + bucket * bucket, dtype=torch.long)
+        # Safe to overwrite: the previous step's results were read back (a sync) before this call.
+        staging[:n] = torch.tensor(tokens)
+        staging[bucket:bucket + n] = torch.tensor(positions)
+        staging[2 * bucket] = offset
+        rows = staging[2 * bucket + 1:].view(bucket, bucket)
+        rows.zero_()
+        rows.diagonal().fill_(1)  # padding nodes see only themselves
+        rows[:n, :n] = ancestors if ancestors is not None else self.model.causal(n).cpu()
+        if captured is None:
+            captured = self._graphs[bucket] = self._capture(bucket, staging)
+        graph, io, out = captured
+        io["device"].copy_(io["staging"], non_blocking=True)
         graph.replay()
         # Views into static buffers: valid until the next replay of this bucket.
         return StepOutputs(out.hidden[:n], out.logits[:n], out.greedy[:n],

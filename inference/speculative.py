@@ -76,8 +76,7 @@ class MedusaDecoder:
         tree = self.policy.build(logprobs)
         node_tokens = [self.pending] + [draft_tokens[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
         dev = self.runner.device
-        out = self.runner.decode(torch.tensor([node_tokens], device=dev), tree.positions(self.offset, dev),
-                                 self.offset, tree.ancestors(dev))
+        out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors())
         verdict = self._verify(tree, node_tokens, out)
         path = verdict.path
         if path != list(range(len(path))):

@@ -52,8 +52,8 @@ def forward_cost_curve(engine: Engine, prefix_len: int = 500, sizes: Sequence[in
         if prefix_len + n > engine.cache.max_len:
             break
         tree = random_tree(n, rng)
-        tokens = torch.tensor([[rng.randrange(vocab) for _ in range(n)]], device=dev)
-        args = (tokens, tree.positions(prefix_len, dev), prefix_len, tree.ancestors(dev))
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        args = (tokens, [prefix_len + d for d in tree.depths], prefix_len, tree.ancestors())
         for _ in range(2):
             engine.runner.decode(*args)
         times = []

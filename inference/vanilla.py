@@ -33,8 +33,7 @@ class VanillaDecoder:
 
     def step(self) -> tuple[list[int], StepRecord]:
         start = time.perf_counter()
-        positions = torch.tensor([self.offset], device=self.runner.device)
-        out = self.runner.decode(torch.tensor([[self.pending]], device=self.runner.device), positions, self.offset)
+        out = self.runner.decode([self.pending], [self.offset], self.offset)
         token = int(out.greedy[0]) if self.params.greedy else self.sampler.pick(out.logits[0], self.params)
         self.offset += 1
         self.pending = token
