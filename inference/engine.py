@@ -50,11 +50,13 @@ class PromptTooLongError(ValueError):
 
 class Decoder(Protocol):
     mode: str
-    step_tokens: int  # cache slots one step may write (tree size)
+    offset: int  # tokens in the KV cache
 
     def prefill(self, prompt_ids: list[int]) -> int: ...
 
-    def step(self) -> tuple[list[int], StepRecord]: ...
+    def step(self, room: int) -> tuple[list[int], StepRecord]:
+        """One forward; ``room`` (>= 1) is how many cache slots it may write."""
+        ...
 
 
 def resolve_device(device: str) -> torch.device:
@@ -254,10 +256,11 @@ class GenerationStream:
             if kept:
                 yield Chunk(out, tuple(kept))
             while finish is None:
-                if len(self.prompt_ids) + len(text.token_ids) + decoder.step_tokens > engine.context_length:
+                room = engine.context_length - decoder.offset
+                if room < 1:
                     finish = "length"
                     break
-                tokens, record = decoder.step()
+                tokens, record = decoder.step(room)
                 steps.append(record)
                 if self.on_step is not None:
                     self.on_step(record)

@@ -45,10 +45,6 @@ class MedusaDecoder:
         self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
         self.steps = 0
 
-    @property
-    def step_tokens(self) -> int:
-        return self.policy.max_tree_size
-
     def prefill(self, prompt_ids: list[int]) -> int:
         hidden = self.runner.prefill(prompt_ids)
         self.offset = len(prompt_ids)
@@ -69,11 +65,14 @@ class MedusaDecoder:
         k = self.policy.draft_topk()
         return tokens[:, :k].tolist(), logprobs[:, :k] / self.policy.draft_temperature
 
-    def step(self) -> tuple[list[int], StepRecord]:
+    def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
+        """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
         start = time.perf_counter()
         draft_temperature = self.policy.draft_temperature
         draft_tokens, logprobs = self.draft()
         tree = self.policy.build(logprobs)
+        if room is not None and tree.size > room:
+            tree = tree.truncated(room)
         node_tokens = [self.pending] + [draft_tokens[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
         dev = self.runner.device
         out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors())

@@ -53,6 +53,10 @@ class Tree:
     def chain(cls, length: int) -> "Tree":
         return cls.from_paths([(0,) * length] if length else [])
 
+    def truncated(self, size: int) -> "Tree":
+        """The first ``size`` nodes: still a tree, since parents precede their children."""
+        return Tree(self.parents[:size], self.depths[:size], self.ranks[:size])
+
     @property
     def size(self) -> int:
         return len(self.parents)

@@ -15,7 +15,6 @@ class VanillaDecoder:
     """Holds the decode state between steps: tokens in the cache and the pending (uncached) token."""
 
     mode = "vanilla"
-    step_tokens = 1
 
     def __init__(self, runner: ForwardRunner, params: SamplingParams, sampler: Sampler) -> None:
         self.runner = runner
@@ -31,7 +30,7 @@ class VanillaDecoder:
         self.pending = self.sampler.pick(self.runner.model.logits(hidden[-1]), self.params)
         return self.pending
 
-    def step(self) -> tuple[list[int], StepRecord]:
+    def step(self, room: int = 1) -> tuple[list[int], StepRecord]:
         start = time.perf_counter()
         out = self.runner.decode([self.pending], [self.offset], self.offset)
         token = int(out.greedy[0]) if self.params.greedy else self.sampler.pick(out.logits[0], self.params)
