@@ -45,8 +45,6 @@ def draft_topk(model: Transformer, heads: nn.Module, hidden: torch.Tensor, k: in
 class ForwardRunner:
     """Eager forwards over one KV cache (batch 1)."""
 
-    fuses_drafts = False
-
     def __init__(self, model: Transformer, cache: KVCache, heads: nn.Module | None = None) -> None:
         self.model = model
         self.cache = cache
@@ -76,11 +74,19 @@ class ForwardRunner:
                      offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:
         """The step's whole device computation; the graph runner captures exactly this."""
         hidden = self.model(tokens, positions, self.cache, offset, ancestors)[0]
-        logits = self.model.logits(hidden)
-        out = StepOutputs(hidden, logits, logits.argmax(-1))
-        if with_drafts and self.heads is not None:
-            out.draft_tokens, out.draft_logprobs = draft_topk(self.model, self.heads, hidden, DRAFT_TOPK)
-        return out
+        if not (with_drafts and self.heads is not None):
+            logits = self.model.logits(hidden)
+            return StepOutputs(hidden, logits, logits.argmax(-1))
+        # One lm_head product for the nodes and every head at every node: the 49k x H weight is
+        # read once, which is most of its cost on a CPU and one launch fewer on a GPU.
+        n = hidden.shape[0]
+        drafted = self.heads(hidden)  # [K, N, H]
+        every = self.model.logits(torch.cat([hidden, drafted.flatten(0, 1)]))
+        logits = every[:n]
+        head_logits = every[n:].view(drafted.shape[0], n, -1).movedim(0, 1)  # [N, K, V]
+        top = torch.topk(head_logits, DRAFT_TOPK, dim=-1)
+        return StepOutputs(hidden, logits, logits.argmax(-1), top.indices,
+                           top.values - torch.logsumexp(head_logits, dim=-1, keepdim=True))
 
     def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None) -> StepOutputs:
@@ -89,7 +95,13 @@ class ForwardRunner:
         Inputs arrive as host values (the decoders build trees on the CPU); each runner moves them to
         the device its own way.
         """
-        return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset, with_drafts=False)
+        return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
+                                 with_drafts=self.fuses_drafts)
+
+    @property
+    def fuses_drafts(self) -> bool:
+        """Whether ``decode`` also returns every node's head drafts (whenever heads are attached)."""
+        return self.heads is not None
 
     def _device_inputs(self, tokens: list[int], positions: list[int],
                        ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -112,10 +124,6 @@ class CudaGraphRunner(ForwardRunner):
         self.buckets = tuple(sorted(set(buckets)))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
         self._pool = None
-
-    @property
-    def fuses_drafts(self) -> bool:  # type: ignore[override]
-        return self.heads is not None
 
     def set_heads(self, heads: nn.Module | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
