@@ -89,19 +89,15 @@ class ForwardRunner:
                            top.values - torch.logsumexp(head_logits, dim=-1, keepdim=True))
 
     def decode(self, tokens: list[int], positions: list[int], offset: int,
-               ancestors: torch.Tensor | None = None) -> StepOutputs:
+               ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
         """One verification forward of N tokens at cache slots ``offset...``.
 
         Inputs arrive as host values (the decoders build trees on the CPU); each runner moves them to
-        the device its own way.
+        the device its own way. ``drafts`` also returns every node's head proposals (when heads are
+        attached); vanilla decoding leaves it off and pays nothing for the heads.
         """
         return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
-                                 with_drafts=self.fuses_drafts)
-
-    @property
-    def fuses_drafts(self) -> bool:
-        """Whether ``decode`` also returns every node's head drafts (whenever heads are attached)."""
-        return self.heads is not None
+                                 with_drafts=drafts and self.heads is not None)
 
     def _device_inputs(self, tokens: list[int], positions: list[int],
                        ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -122,7 +118,8 @@ class CudaGraphRunner(ForwardRunner):
                  buckets: tuple[int, ...] = (1,)) -> None:
         super().__init__(model, cache, heads)
         self.buckets = tuple(sorted(set(buckets)))
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
+        # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
         self._pool = None
 
     def set_heads(self, heads: nn.Module | None) -> None:
@@ -130,7 +127,8 @@ class CudaGraphRunner(ForwardRunner):
         self.heads = heads
         self._graphs.clear()
 
-    def _capture(self, n: int, first: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]:
+    def _capture(self, n: int, first: torch.Tensor,
+                 drafts: bool) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]:
         """Capture bucket ``n``, with ``first`` (the staging layout) holding the call's real inputs.
 
         Warm-up and capture really execute the step, cache writes included. With placeholder inputs
@@ -148,7 +146,7 @@ class CudaGraphRunner(ForwardRunner):
             positions = buf[n:2 * n]
             offset = buf[2 * n]
             ancestors = buf[2 * n + 1:].view(n, n).bool()
-            return self.step_outputs(tokens, positions, ancestors, offset, with_drafts=self.heads is not None)
+            return self.step_outputs(tokens, positions, ancestors, offset, with_drafts=drafts)
 
         # Warm up on a side stream (allocator and kernel selection), as torch's docs prescribe.
         side = torch.cuda.Stream()
@@ -165,13 +163,14 @@ class CudaGraphRunner(ForwardRunner):
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], offset: int,
-               ancestors: torch.Tensor | None = None) -> StepOutputs:
+               ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
         n = len(tokens)
+        drafts = drafts and self.heads is not None
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None or offset + bucket > self.cache.max_len:
-            return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
-                                     with_drafts=self.fuses_drafts)
-        captured = self._graphs.get(bucket)
+            return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset, with_drafts=drafts)
+        key = (bucket, drafts)
+        captured = self._graphs.get(key)
         staging = captured[1]["staging"] if captured else torch.zeros(2 * bucket + 1 + bucket * bucket, dtype=torch.long)
         # Safe to overwrite: the previous step's results were read back (a sync) before this call.
         staging[:n] = torch.tensor(tokens)
@@ -182,7 +181,7 @@ class CudaGraphRunner(ForwardRunner):
         rows.diagonal().fill_(1)  # padding nodes see only themselves
         rows[:n, :n] = ancestors if ancestors is not None else self.model.causal(n).cpu()
         if captured is None:
-            captured = self._graphs[bucket] = self._capture(bucket, staging)
+            captured = self._graphs[key] = self._capture(bucket, staging, drafts)
         graph, io, out = captured
         io["device"].copy_(io["staging"], non_blocking=True)
         graph.replay()

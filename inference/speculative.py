@@ -75,7 +75,8 @@ class MedusaDecoder:
             tree = tree.truncated(room)
         node_tokens = [self.pending] + [draft_tokens[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
         dev = self.runner.device
-        out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors())
+        out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors(),
+                                 drafts=True)
         verdict = self._verify(tree, node_tokens, out)
         path = verdict.path
         if path != list(range(len(path))):

@@ -54,13 +54,14 @@ def forward_cost_curve(engine: Engine, prefix_len: int = 500, sizes: Sequence[in
         tree = random_tree(n, rng)
         tokens = [rng.randrange(vocab) for _ in range(n)]
         args = (tokens, [prefix_len + d for d in tree.depths], prefix_len, tree.ancestors())
+        drafts = n > 1  # a 1-node "tree" is a vanilla step; real trees draft for the next step
         for _ in range(2):
-            engine.runner.decode(*args)
+            engine.runner.decode(*args, drafts=drafts)
         times = []
         for _ in range(repeats):
             _sync(engine)
             start = time.perf_counter()
-            engine.runner.decode(*args)
+            engine.runner.decode(*args, drafts=drafts)
             _sync(engine)
             times.append(1000 * (time.perf_counter() - start))
         out[n] = statistics.median(times)

@@ -50,8 +50,8 @@ engine = Engine.load(device="cuda")
 engine.generate(prompts[0], SamplingParams(max_tokens=8), mode="medusa")
 runner = engine.runner
 for n in (1, 16, 64):
-    runner.decode(list(range(n)), list(range(600, 600 + n)), 600, torch.ones(n, n, dtype=torch.bool).tril())
-    graph = runner._graphs[next(b for b in runner.buckets if b >= n)][0]
+    runner.decode(list(range(n)), list(range(600, 600 + n)), 600, torch.ones(n, n, dtype=torch.bool).tril(), drafts=n > 1)
+    graph = runner._graphs[(next(b for b in runner.buckets if b >= n), n > 1)][0]
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     ev[0].record()
     for _ in range(50):
@@ -62,7 +62,8 @@ for n in (1, 16, 64):
     times = []
     for _ in range(30):
         t = time.perf_counter()
-        out = runner.decode(list(range(n)), list(range(600, 600 + n)), 600, torch.ones(n, n, dtype=torch.bool).tril())
+        out = runner.decode(list(range(n)), list(range(600, 600 + n)), 600, torch.ones(n, n, dtype=torch.bool).tril(),
+                            drafts=n > 1)
         out.greedy.tolist()
         times.append(1000 * (time.perf_counter() - t))
     print(f"N={n}: graph replay {replay:.3f} ms (GPU), decode() incl. host work + readback {statistics.median(times):.3f} ms")
