@@ -82,8 +82,9 @@ class Engine:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, weights: LoadedWeights | None = None,
                  heads: torch.nn.Module | None = None, policy: TreePolicy | None = None,
-                 max_len: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True) -> None:
         self.model = model
+        self.speculate = speculate
         self.tokenizer = tokenizer
         self.weights_info = weights
         self.policy = policy or TreePolicy()
@@ -129,11 +130,13 @@ class Engine:
                 medusa = None  # no heads trained for this model: vanilla decoding only
         elif heads is not None:
             medusa = load_heads(heads, base_sha256=weights.sha256, device=dev, dtype=dt)
+        speculate = True
         if policy is None:
             profile = find_profile(settings.cache_dir, weights.sha256, dev, dt)
             policy = profile.policy() if profile is not None else None
+            speculate = profile.speculate if profile is not None else True
         return cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, speculate=speculate)
 
     @property
     def modes(self) -> tuple[DecodeMode, ...]:
@@ -142,7 +145,7 @@ class Engine:
 
     @property
     def default_mode(self) -> DecodeMode:
-        return "medusa" if self.heads is not None else "vanilla"
+        return "medusa" if self.heads is not None and self.speculate else "vanilla"
 
     @property
     def context_length(self) -> int:

@@ -42,6 +42,9 @@ class TuneProfile:
     static_paths: list[list[int]] = field(default_factory=list)
     max_nodes: int = 64
     expected_tokens_per_step: float = 1.0
+    # False when speculation measured slower than vanilla here: the engine then defaults to vanilla
+    # (heads stay loaded, so --mode medusa still works).
+    speculate: bool = True
     created: str = ""
     host: str = field(default_factory=platform.node)
 

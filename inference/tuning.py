@@ -118,15 +118,20 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 4, ab_toke
     profile.max_nodes = min(max(sizes), max(8, 2 * (len(paths) + 1)))
     log(f"  step overhead {profile.step_overhead_ms:.2f} ms; best static tree: {len(paths) + 1} nodes, "
         f"expected {expected:.2f} tokens/step")
-    # Side by side: static against dynamic, alternating order, on the calibration prompts.
-    rates: dict[str, list[float]] = {"static": [], "dynamic": []}
+    # Side by side: static and dynamic trees against vanilla, rotating the order, on calibration prompts.
+    kinds = ("static", "dynamic", "vanilla")
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
     for i, prompt in enumerate(prompts[:ab_prompts]):
-        for kind in (("static", "dynamic") if i % 2 == 0 else ("dynamic", "static")):
-            profile.kind = kind
-            engine.policy = profile.policy()
-            rates[kind].append(engine.generate(prompt, SamplingParams(max_tokens=ab_tokens), mode="medusa").tokens_per_s)
+        for kind in kinds[i % 3:] + kinds[:i % 3]:
+            if kind != "vanilla":
+                profile.kind = kind
+                engine.policy = profile.policy()
+            mode = "vanilla" if kind == "vanilla" else "medusa"
+            rates[kind].append(engine.generate(prompt, SamplingParams(max_tokens=ab_tokens), mode=mode).tokens_per_s)
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    profile.kind = max(medians, key=medians.__getitem__)
+    profile.kind = max(("static", "dynamic"), key=medians.__getitem__)
+    profile.speculate = medians[profile.kind] > medians["vanilla"]
     engine.policy = profile.policy()
-    log(f"  tokens/s static {medians['static']:.1f}, dynamic {medians['dynamic']:.1f}: using {profile.kind}")
+    log(f"  tokens/s static {medians['static']:.1f}, dynamic {medians['dynamic']:.1f}, vanilla "
+        f"{medians['vanilla']:.1f}: using {profile.kind}" + ("" if profile.speculate else "; vanilla by default"))
     return profile

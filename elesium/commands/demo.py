@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"state: {url}", file=sys.stderr)
     registry, log = RunRegistry.from_url(url), AcceptanceLog.from_url(url)
     engine = load_engine(args)
-    mode = engine.default_mode
+    # The demo shows the speculative engine's audit trail even where vanilla is the faster default.
+    mode = "medusa" if "medusa" in engine.modes else "vanilla"
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed)
     run_id = f"demo-{uuid.uuid4().hex[:12]}"
     registry.create(RunRecord(run_id=run_id, workflow="demo-triage", workflow_version="1",
