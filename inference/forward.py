@@ -57,6 +57,17 @@ class ForwardRunner:
     def set_heads(self, heads: nn.Module | None) -> None:
         self.heads = heads
 
+    @property
+    def fuses_drafts(self) -> bool:
+        """Whether verification steps also compute the next step's drafts (Medusa heads only: Hydra
+        heads need the bonus token, which is chosen after the step)."""
+        return self.heads is not None and not getattr(self.heads, "conditioned", False)
+
+    def expand(self, heads: nn.Module, hidden: torch.Tensor, token: int, width: int,
+               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hydra heads' candidate tree from ``h_t`` and the chosen next token (``HydraHeads.expand``)."""
+        return heads.expand(self.model, hidden, torch.tensor([token], device=self.device), width, topk)  # type: ignore[operator]
+
     def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
         """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
 
@@ -97,7 +108,7 @@ class ForwardRunner:
         attached); vanilla decoding leaves it off and pays nothing for the heads.
         """
         return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
-                                 with_drafts=drafts and self.heads is not None)
+                                 with_drafts=drafts and self.fuses_drafts)
 
     def _device_inputs(self, tokens: list[int], positions: list[int],
                        ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -120,12 +131,49 @@ class CudaGraphRunner(ForwardRunner):
         self.buckets = tuple(sorted(set(buckets)))
         # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
+        self._expanders: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor],
+                                                     tuple[torch.Tensor, ...]]] = {}
         self._pool = None
 
     def set_heads(self, heads: nn.Module | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
         self.heads = heads
         self._graphs.clear()
+        self._expanders.clear()
+
+    @torch.inference_mode()
+    def expand(self, heads: nn.Module, hidden: torch.Tensor, token: int, width: int,
+               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the drafting graph for (width, topk): K levels of small launches become one replay.
+
+        The graph only reads its two input buffers, so (unlike the step graphs) capturing it on
+        placeholder inputs is harmless. Heads other than the runner's own run eagerly.
+        """
+        if heads is not self.heads:
+            return super().expand(heads, hidden, token, width, topk)
+        key = (width, topk)
+        if key not in self._expanders:
+            io = {"hidden": hidden.detach().clone(), "token": torch.zeros(1, dtype=torch.long, device=self.device)}
+
+            def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return self.heads.expand(self.model, io["hidden"], io["token"], width, topk)  # type: ignore[union-attr]
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outs = body()
+            self._pool = graph.pool()
+            self._expanders[key] = (graph, io, outs)
+        graph, io, outs = self._expanders[key]
+        io["hidden"].copy_(hidden)
+        io["token"].fill_(token)
+        graph.replay()
+        return outs
 
     def _capture(self, n: int, first: torch.Tensor,
                  drafts: bool) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]:
@@ -165,7 +213,7 @@ class CudaGraphRunner(ForwardRunner):
     def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
         n = len(tokens)
-        drafts = drafts and self.heads is not None
+        drafts = drafts and self.fuses_drafts
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None or offset + bucket > self.cache.max_len:
             return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset, with_drafts=drafts)

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from elesium.inference.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
-from elesium.inference.heads import MedusaHeads, read_manifest, save_heads
+from elesium.inference.heads import build_heads, read_manifest, save_heads
+from elesium.inference.hydra_heads import DraftHeads
 from elesium.inference.model import Transformer
 
 Log = Callable[[str], None]
@@ -44,6 +45,8 @@ class TrainConfig:
     gen_batch: int = 64
     num_heads: int = 4
     num_layers: int = 1
+    kind: str = "medusa"              # "medusa" or "hydra" (heads that also read the drafted tokens)
+    conditioning: str = "concat"      # hydra only: "concat" (Hydra's) or "chain" (recurrent)
     loss: str = "kl"                  # "kl" (to the base distribution) or "ce" (to the sampled token)
     decay: float = 0.8                # lambda: head k's loss weight is decay**k
     steps: int = 2000
@@ -75,6 +78,11 @@ class HiddenCache:
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
+
+    def path_tokens(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """``[B, k]``: ``x_{t+1} ... x_{t+k}`` for each row t (clamped at the end; mask with target_rows)."""
+        j = (rows[:, None] + torch.arange(k, device=rows.device)).clamp(max=len(self) - 1)
+        return self.next_token[j]
 
     def target_rows(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(row of head k's target, valid) for 0-based head ``k``: row ``i + k + 1`` of the same sequence."""
@@ -119,10 +127,14 @@ def cache_hidden_states(model: Transformer, sequences: Sequence[tuple[Sequence[i
                        torch.cat([seqs[j] for j in perm]))
 
 
-def head_losses(heads: MedusaHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor, loss: str,
+def head_losses(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor, loss: str,
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Per head: mean loss, top-1 hits and top-5 hits over the valid rows (hits are 0/1 per row, valid only)."""
-    out = heads(cache.hidden[rows])  # [K, B, H]
+    """Per head: mean loss, top-1 hits and top-5 hits over the valid rows (hits are 0/1 per row, valid only).
+
+    Hydra heads are teacher-forced on the data's own tokens: head k reads ``x_{t+1} ... x_{t+k+1}``
+    (a row whose target is valid has all of them in its sequence).
+    """
+    out = heads.teacher_forced(model, cache.hidden[rows], cache.path_tokens(rows, heads.num_heads))  # [K, B, H]
     losses, top1, top5 = [], [], []
     for k in range(heads.num_heads):
         j, valid = cache.target_rows(rows, k)
@@ -146,7 +158,7 @@ def head_losses(heads: MedusaHeads, model: Transformer, cache: HiddenCache, rows
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor | None = None,
+def evaluate(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor | None = None,
              loss: str = "ce", chunk: int = 4096) -> list[dict[str, float]]:
     """Per-head loss / top-1 / top-5 over ``rows`` (default: all), in chunks."""
     rows = torch.arange(len(cache), device=cache.hidden.device) if rows is None else rows
@@ -163,7 +175,7 @@ def evaluate(heads: MedusaHeads, model: Transformer, cache: HiddenCache, rows: t
              "top5": s[2] / max(s[3], 1), "positions": s[3]} for k, s in enumerate(sums)]
 
 
-def score_prompts(model: Transformer, tokenizer: Any, heads: MedusaHeads, prompts: Sequence[str],
+def score_prompts(model: Transformer, tokenizer: Any, heads: DraftHeads, prompts: Sequence[str],
                   max_tokens: int = 256, batch_size: int = 16) -> dict[str, Any]:
     """Each head's top-1/top-5 against the base model's own greedy continuation of ``prompts``."""
     ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -243,7 +255,8 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         f"({time.monotonic() - t0:.0f}s)")
 
     # -- heads, optimiser, checkpoint ---------------------------------------------------------------
-    heads = MedusaHeads(model.config.hidden_size, cfg.num_heads, cfg.num_layers).to(dev)
+    heads = build_heads({"kind": cfg.kind, "hidden_size": model.config.hidden_size, "num_heads": cfg.num_heads,
+                         "num_layers": cfg.num_layers, "conditioning": cfg.conditioning}).to(dev)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     ckpt_path = cfg.out / "ckpt.pt"
     step, history = 0, []

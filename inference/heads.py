@@ -19,14 +19,16 @@ Design (Cai et al. 2024, "Medusa-1" heads; HEADS.md has the longer notes and the
   shipped file ~2.7 MB and puts all capacity where it is cheap (576 x 576 per block).
 
 API used by the speculative engine (keep it stable): ``MedusaHeads.forward(hidden) -> [K, ..., H]``
-(the caller applies ``model.logits``), ``head_logits``, ``save_heads`` / ``load_heads``.
+(the caller applies ``model.logits``), ``head_logits``, ``teacher_forced`` (shared with
+``HydraHeads``, the sequentially dependent variant in ``hydra_heads.py``), ``save_heads`` /
+``load_heads`` (which builds either kind from the manifest).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -100,11 +102,20 @@ class MedusaHeads(nn.Module):
         """float32 logits ``[num_heads, ..., V]`` through the base model's shared ``lm_head``."""
         return model.logits(self(hidden))  # type: ignore[operator]
 
-    def config(self) -> dict[str, int]:
-        return {"num_heads": self.num_heads, "num_layers": self.num_layers, "hidden_size": self.hidden_size}
+    def teacher_forced(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Same signature as ``HydraHeads.teacher_forced``; Medusa heads ignore the tokens."""
+        return self(hidden)
+
+    def config(self) -> dict[str, int | str]:
+        return {"kind": "medusa", "num_heads": self.num_heads, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size}
 
 
-def save_heads(heads: MedusaHeads, directory: str | Path, manifest: dict[str, Any]) -> Path:
+if TYPE_CHECKING:
+    from elesium.inference.hydra_heads import DraftHeads
+
+
+def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, Any]) -> Path:
     """Write ``heads.safetensors`` (in the heads' current dtype) and ``manifest.json`` to ``directory``.
 
     ``manifest`` must carry ``base_model.sha256``; the head config and format tag are filled in here
@@ -134,7 +145,7 @@ def read_manifest(path: str | Path | None = None) -> dict[str, Any]:
 
 
 def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> MedusaHeads:
+               dtype: torch.dtype = torch.float32) -> "DraftHeads":
     """Load heads from a directory (None: the shipped default), checking they fit the base model.
 
     Raises:
@@ -152,10 +163,22 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
     weights = directory / WEIGHTS_FILE
     if not weights.exists():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
-    cfg = manifest["heads"]
-    heads = MedusaHeads(int(cfg["hidden_size"]), int(cfg["num_heads"]), int(cfg["num_layers"]))
+    heads = build_heads(manifest["heads"])
     heads.load_state_dict(load_file(str(weights)))
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def build_heads(cfg: dict[str, Any]) -> "DraftHeads":
+    """Untrained heads of the shape a manifest's ``heads`` block (or ``DraftHeads.config()``) names."""
+    from elesium.inference.hydra_heads import HydraHeads
+
+    kind = cfg.get("kind", "medusa")
+    size, num, layers = int(cfg["hidden_size"]), int(cfg["num_heads"]), int(cfg["num_layers"])
+    if kind == "medusa":
+        return MedusaHeads(size, num, layers)
+    if kind == "hydra":
+        return HydraHeads(size, num, layers, cfg.get("conditioning", "concat"))
+    raise ValueError(f"unknown heads kind {kind!r} in the manifest; this version knows medusa and hydra")
 
 
 def _heads_dir(path: str | Path | None) -> Path:

@@ -3,8 +3,10 @@
 One step, starting from the pending token t0 (chosen but not yet in the cache) and the hidden state
 h of the last cached position:
 
-1. The heads read h and propose top-k tokens for positions +2, +3, ... past the cache.
-2. The policy picks a tree; node 0 is t0, a node at depth d holds head d's token of its rank.
+1. The heads read h and propose top-k tokens for positions +2, +3, ... past the cache: Medusa heads
+   one list per depth (computed inside the previous step), Hydra heads a list per drafted path,
+   expanded level by level from h and t0 (``HydraHeads.expand``).
+2. The policy picks a tree of rank paths; node 0 is t0, every other node holds its path's draft.
 3. One forward writes every node into the cache at slots ``offset + node`` with position
    ``offset + depth``, each attending to the prefix and its own ancestors.
 4. Verification walks the tree (greedy, exact sampling, or typical) to the longest accepted path
@@ -19,6 +21,7 @@ import time
 
 import torch
 
+from elesium.inference.drafts import DraftSet, ExpandedDrafts, FactoredDrafts
 from elesium.inference.forward import ForwardRunner, StepOutputs, draft_topk
 from elesium.inference.records import DecodeMode, StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
@@ -52,28 +55,43 @@ class MedusaDecoder:
         self.pending = self.sampler.pick(self.model.logits(self.hidden), self.params)
         return self.pending
 
-    def draft(self) -> tuple[list[list[int]], torch.Tensor]:
-        """Top-k tokens ``[heads][k]`` and their scores (log-probabilities over the draft temperature).
+    def draft(self) -> DraftSet:
+        """This step's candidates, scored by log-probability over the draft temperature.
 
         Dividing log-probabilities by the temperature is a monotone reshaping: it changes which
-        paths win across heads (the tree's shape), never the order within a head.
+        paths win across depths (the tree's shape), never the order among siblings.
         """
+        k, temperature = self.policy.draft_topk(), self.policy.draft_temperature
+        if getattr(self.heads, "conditioned", False):
+            return self._expand(k, temperature)
         if self.drafts is None:  # not fused into the last step: run the heads on the kept node
-            tokens, logprobs = draft_topk(self.model, self.heads, self.hidden, self.policy.draft_topk())
+            tokens, logprobs = draft_topk(self.model, self.heads, self.hidden, k)
             self.drafts = (tokens.cpu(), logprobs.float().cpu())
         tokens, logprobs = self.drafts
-        k = self.policy.draft_topk()
-        return tokens[:, :k].tolist(), logprobs[:, :k] / self.policy.draft_temperature
+        return FactoredDrafts(tokens[:, :k].tolist(), (logprobs[:, :k] / temperature).tolist())
+
+    def _expand(self, k: int, temperature: float) -> ExpandedDrafts:
+        """Hydra: one drafting pass from (h, t0), read back in one copy per output."""
+        width = self.policy.expand_width
+        tokens, logprobs, parents = self.runner.expand(self.heads, self.hidden, self.pending, width, k)
+        tokens, logprobs, parents = tokens.tolist(), logprobs.float().tolist(), parents.tolist()
+        bounds, rows = [0], 1
+        for _ in range(self.heads.num_heads):
+            bounds.append(bounds[-1] + rows)
+            rows = min(width, rows * k)
+        levels = list(zip(bounds, bounds[1:]))
+        return ExpandedDrafts.from_levels([tokens[a:b] for a, b in levels], [logprobs[a:b] for a, b in levels],
+                                          [parents[a:b] for a, b in levels], temperature)
 
     def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
         """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
         start = time.perf_counter()
         draft_temperature = self.policy.draft_temperature
-        draft_tokens, logprobs = self.draft()
-        tree = self.policy.build(logprobs)
+        drafts = self.draft()
+        tree = self.policy.build(drafts)
         if room is not None and tree.size > room:
             tree = tree.truncated(room)
-        node_tokens = [self.pending] + [draft_tokens[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+        node_tokens = [self.pending] + [drafts.token(p) for p in tree.paths[1:]]
         dev = self.runner.device
         out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors(),
                                  drafts=True)

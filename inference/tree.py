@@ -1,10 +1,11 @@
 """Token trees: which candidate continuations one verification forward checks.
 
 A tree is a parent index per node (node 0 is the root: the already-chosen next token) plus, for each
-other node, the Medusa head that proposed it (its depth) and the rank of its token in that head's
-top-k. Because Medusa heads read only the current hidden state, a node's token is determined by
-(depth, rank) alone, so a tree is equivalently a prefix-closed set of rank paths, Medusa's "choice
-lists": ``(0,)`` is head 1's top token, ``(0, 2)`` head 2's third token after it, and so on.
+other node, its depth and the rank of its token among its parent's drafted children. A tree is
+therefore a prefix-closed set of rank paths, Medusa's "choice lists": ``(0,)`` is the best first
+draft, ``(0, 2)`` the third-best second draft under it, and so on. Which token a path stands for is
+the heads' business (``drafts.py``): the same for every parent with Medusa heads, per parent with
+Hydra heads.
 
 Static trees come from a calibrated table of acceptance probabilities per (depth, rank); dynamic
 trees (EAGLE-2's idea) use this step's head log-probabilities instead. Both pick the N paths with
@@ -21,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-Path = tuple[int, ...]
+from elesium.inference.drafts import DraftSet, FactoredDrafts, Path, contains
 
 
 @dataclass(frozen=True)
@@ -115,28 +116,41 @@ class Tree:
         return out[::-1]
 
 
-def top_paths(scores: Sequence[Sequence[float]], budget: int, max_depth: int | None = None) -> Tree:
+def top_paths(drafts: DraftSet | Sequence[Sequence[float]], budget: int, max_depth: int | None = None) -> Tree:
     """The tree of ``budget`` nodes (root included) whose paths have the highest total score.
 
-    ``scores[d][r]`` is the score (a log-probability, so <= 0) of taking rank r at depth d+1.
-    Best-first search: a path's children can only score lower than the path, so popping paths in
-    score order yields exactly the top ``budget - 1`` paths, all prefix-closed.
+    ``drafts`` is a ``DraftSet``, or Medusa-style scores where ``scores[d][r]`` is the score (a
+    log-probability, so <= 0) of taking rank r at depth d+1 under any parent. Best-first search: a
+    path's children can only score lower than the path, so popping paths in score order yields exactly
+    the top ``budget - 1`` paths, all prefix-closed.
     """
-    depth_limit = min(len(scores), max_depth or len(scores))
+    if not hasattr(drafts, "num_children"):
+        scores = [list(row) for row in drafts]  # type: ignore[union-attr]
+        drafts = FactoredDrafts([list(range(len(row))) for row in scores], scores)
+    ds: DraftSet = drafts  # type: ignore[assignment]
+    depth_limit = max_depth if max_depth is not None else 1 << 30
     chosen: list[Path] = []
     heap: list[tuple[float, Path]] = []
-    if depth_limit and scores[0]:
-        heapq.heappush(heap, (-scores[0][0], (0,)))
+    if depth_limit and ds.num_children(()):
+        heapq.heappush(heap, (-ds.score((0,)), (0,)))
     while heap and len(chosen) < budget - 1:
         neg, path = heapq.heappop(heap)
         chosen.append(path)
-        d, r = len(path), path[-1]
-        if r + 1 < len(scores[d - 1]):  # next sibling
-            sib = path[:-1] + (r + 1,)
-            heapq.heappush(heap, (neg + scores[d - 1][r] - scores[d - 1][r + 1], sib))
-        if d < depth_limit and scores[d]:  # first child
-            heapq.heappush(heap, (neg - scores[d][0], path + (0,)))
+        parent, r = path[:-1], path[-1]
+        if r + 1 < ds.num_children(parent):  # next sibling
+            sib = parent + (r + 1,)
+            heapq.heappush(heap, (neg + ds.score(path) - ds.score(sib), sib))
+        if len(path) < depth_limit and ds.num_children(path):  # first child
+            child = path + (0,)
+            heapq.heappush(heap, (neg - ds.score(child), child))
     return Tree.from_paths(chosen)
+
+
+def restricted(tree: Tree, drafts: DraftSet) -> Tree:
+    """The part of a (static) tree whose every node was drafted this step."""
+    if all(contains(drafts, p) for p in tree.paths[1:]):
+        return tree
+    return Tree.from_paths([p for p in tree.paths[1:] if contains(drafts, p)])
 
 
 # Medusa's sparse tree for 4 heads with 63 candidates ("mc_sim_7b_63"), used until `elesium tune`

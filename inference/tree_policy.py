@@ -20,10 +20,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from elesium.inference.records import StepRecord
-from elesium.inference.tree import Path, Tree, top_paths
+from elesium.inference.drafts import DraftSet
+from elesium.inference.tree import Path, Tree, restricted, top_paths
 
 TreeKind = Literal["static", "dynamic"]
 
@@ -64,6 +63,7 @@ class TreePolicy:
     max_nodes: int = 64
     min_nodes: int = 2
     topk: int = 8
+    expand_width: int = 8  # Hydra heads: paths expanded per level (EAGLE-2's top-k expansion)
     draft_temperature: float = 1.0
     cost: CostCurve = field(default_factory=CostCurve.flat)
     adapt: bool = True
@@ -85,17 +85,17 @@ class TreePolicy:
 
         return min(DRAFT_TOPK, self._static.max_rank if self._static is not None else self.topk)
 
-    def build(self, head_logprobs: torch.Tensor) -> Tree:
-        """``head_logprobs``: ``[heads, k]`` sorted top-k log-probabilities (at draft temperature)."""
+    def build(self, drafts: DraftSet) -> Tree:
+        """This step's tree from the drafted candidates (scores already at the draft temperature)."""
         if self._static is not None:
-            return self._static
-        scores = head_logprobs.tolist()
-        full = top_paths(scores, self.max_nodes)
+            return restricted(self._static, drafts)
+        full = top_paths(drafts, self.max_nodes)
         # Score of each path = sum of its log-probs; probability of acceptance ~ calibrated product.
+        logp: dict[Path, float] = {(): 0.0}
         probs = []
         for path in full.paths[1:]:
-            logp = sum(scores[d][r] for d, r in enumerate(path))
-            probs.append(min(1.0, self.calibration * math.exp(logp)))
+            logp[path] = logp[path[:-1]] + drafts.score(path)
+            probs.append(min(1.0, self.calibration * math.exp(logp[path])))
         best_n, best_rate, gain = 1, 1.0 / self.cost(1), 1.0
         for i, p in enumerate(probs, start=2):
             gain += p

@@ -83,11 +83,16 @@ def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96
         hidden = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device),
                        cache, 0)[0]
         target = torch.tensor(ids, device=model.device)
-        for t in range(start, len(ids) - 1 - heads.num_heads):
-            top = torch.topk(model.logits(heads(hidden[t])), topk, dim=-1).indices  # [heads, topk]
-            truth = target[t + 2: t + 2 + heads.num_heads]
-            hits += (top == truth[:, None]).float().cpu()
-            total += 1
+        rows = torch.arange(start, len(ids) - 1 - heads.num_heads, device=model.device)
+        if rows.numel() == 0:
+            continue
+        ahead = rows[:, None] + torch.arange(heads.num_heads, device=model.device)
+        # Hydra heads read the true path so far (x_{t+1} ...), as they do when that path was drafted.
+        out = heads.teacher_forced(model, hidden[rows], target[ahead + 1])  # [heads, rows, H]
+        top = torch.topk(model.logits(out), topk, dim=-1).indices  # [heads, rows, topk]
+        truth = target[ahead + 2].T  # [heads, rows]
+        hits += (top == truth[..., None]).float().sum(1).cpu()
+        total += rows.numel()
     return (hits / max(1, total)).tolist()
 
 

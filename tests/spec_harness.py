@@ -35,6 +35,18 @@ class RandomHeads(nn.Module):
         return torch.stack([hidden + torch.nn.functional.silu(hidden @ w.T) for w in self.weights])
 
 
+def random_hydra_heads(hidden: int, num_heads: int, seed: int, conditioning: str = "concat") -> nn.Module:
+    """Hydra heads with random weights: drafts depend on the path, and are often wrong."""
+    from elesium.inference.hydra_heads import HydraHeads
+
+    heads = HydraHeads(hidden, num_heads, 1, conditioning)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return heads.eval().requires_grad_(False)
+
+
 def tiny_model(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

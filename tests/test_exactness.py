@@ -15,7 +15,8 @@ from elesium.inference import verify as verify_mod
 from elesium.inference.sampling import SamplingParams, sample_from, target_probs
 from elesium.inference.tree_policy import TreePolicy
 from elesium.inference.verify import Verdict
-from spec_harness import RandomHeads, chi_square_p, exact_joint, speculative_samples, tiny_model
+from spec_harness import (RandomHeads, chi_square_p, exact_joint, random_hydra_heads, speculative_samples,
+                          tiny_model)
 
 SAMPLES = 20_000
 PREFIX, FIRST = [1, 2, 3], 4
@@ -46,6 +47,21 @@ def test_speculative_sampling_is_exact(tiny, temperature, policy):
     counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=7)
     p = chi_square_p(counts, expected, SAMPLES)
     print(f"exact {policy.kind} T={temperature}: chi-square p = {p:.3f}")
+    assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
+
+
+@pytest.mark.parametrize(("temperature", "policy", "conditioning"),
+                         [(0.5, STATIC, "concat"), (1.0, DYNAMIC, "concat"), (1.5, DYNAMIC, "chain")],
+                         ids=["static-T0.5-concat", "dynamic-T1.0-concat", "dynamic-T1.5-chain"])
+def test_hydra_speculative_sampling_is_exact(tiny, temperature, policy, conditioning):
+    """Hydra heads draft a different list under every parent; verification must not care."""
+    model, _ = tiny
+    heads = random_hydra_heads(32, 3, seed=2, conditioning=conditioning)
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    expected = exact_joint(model, PREFIX, FIRST, params, 2)
+    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=11)
+    p = chi_square_p(counts, expected, SAMPLES)
+    print(f"exact hydra {conditioning} {policy.kind} T={temperature}: chi-square p = {p:.3f}")
     assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
 
 

@@ -1,4 +1,4 @@
-"""``elesium eval-heads``: each Medusa head's top-1/top-5 against the base model's greedy continuation."""
+"""``elesium eval-heads``: each draft head (Medusa or Hydra)'s top-1/top-5 against the base model's greedy continuation."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=Path, required=True,
                    help="JSONL with a 'prompt' field, or MT-Bench's 'turns' (first turn used)")
     p.add_argument("--max-tokens", type=int, default=256, help="greedy continuation length per prompt")
-    p.add_argument("--heads", type=Path, default=None, help="heads directory (default: the shipped heads)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per batched forward")
     p.add_argument("--json", action="store_true", help='print {"heads": [{"head", "top1", "top5"}...], "tokens"}')
     add_model_args(p)
@@ -32,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = read_eval_prompts(args.prompts)
-    engine = load_engine(args)
-    heads = load_heads(args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
+    engine = load_engine(args, heads=None)  # the heads are loaded below, where a mismatch must raise
+    heads = load_heads(None if args.heads in (None, "none") else args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
                        dtype=engine.model.dtype)
     result = score_prompts(engine.model, engine.tokenizer, heads, prompts, args.max_tokens, args.batch_size)
     if args.json:

@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-batch", type=int, default=64, help="sequences per batched forward")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    p.add_argument("--kind", choices=["medusa", "hydra"], default="medusa",
+                   help="hydra: heads that also read the embeddings of the tokens drafted before them")
+    p.add_argument("--conditioning", choices=["concat", "chain"], default="concat",
+                   help="hydra only: concat (Hydra's: every earlier embedding) or chain (the previous head's output)")
     p.add_argument("--loss", choices=["kl", "ce"], default="kl",
                    help="kl: to the base model's distribution; ce: to the token in the data")
     p.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is DECAY**k")
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         out=args.out, data=args.data, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(args.temperatures), gen_batch=args.gen_batch, num_heads=args.num_heads,
-        num_layers=args.num_layers, loss=args.loss, decay=args.decay, steps=args.steps, batch_size=args.batch_size,
+        num_layers=args.num_layers, kind=args.kind, conditioning=args.conditioning, loss=args.loss, decay=args.decay, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
         seed=args.seed, resume=args.resume, time_budget_s=args.time_budget, eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype,

@@ -1,0 +1,95 @@
+"""What the heads proposed this step, as a set of rank paths the tree policy can choose from.
+
+A rank path names a candidate continuation: ``(0,)`` is the best guess for the first draft position,
+``(0, 2)`` the third-best guess for the next position *given* that first guess, and so on. Two kinds
+of heads fill this space differently:
+
+* **Medusa heads** read only the hidden state, so head d's top-k list is the same under every parent:
+  ``FactoredDrafts`` stores one list per depth, and every path of ranks < k exists.
+* **Hydra heads** read the tokens drafted so far, so each expanded path has its own top-k list:
+  ``ExpandedDrafts`` stores a list per expanded path, and only paths under expanded nodes exist.
+
+Both answer the same three questions (how many children a path has, the token at a path, its
+log-probability given its parent), which is all the best-first tree search and the static trees need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+Path = tuple[int, ...]
+
+
+class DraftSet(Protocol):
+    """Candidate continuations; children of a path are ranked by log-probability, best first."""
+
+    def num_children(self, path: Path) -> int:
+        """Ranks available under ``path`` (0: a leaf, nothing was drafted after it)."""
+        ...
+
+    def token(self, path: Path) -> int:
+        """The drafted token at a non-empty path."""
+        ...
+
+    def score(self, path: Path) -> float:
+        """Log-probability (at the draft temperature) of the path's last token given its parent."""
+        ...
+
+
+def contains(drafts: DraftSet, path: Path) -> bool:
+    """Whether every step of ``path`` was drafted."""
+    return all(r < drafts.num_children(path[:i]) for i, r in enumerate(path))
+
+
+@dataclass(frozen=True)
+class FactoredDrafts:
+    """Medusa: ``tokens[d][r]`` / ``scores[d][r]`` for head d+1, the same under every parent."""
+
+    tokens: Sequence[Sequence[int]]
+    scores: Sequence[Sequence[float]]
+
+    def num_children(self, path: Path) -> int:
+        return len(self.scores[len(path)]) if len(path) < len(self.scores) else 0
+
+    def token(self, path: Path) -> int:
+        return self.tokens[len(path) - 1][path[-1]]
+
+    def score(self, path: Path) -> float:
+        return self.scores[len(path) - 1][path[-1]]
+
+
+@dataclass(frozen=True)
+class ExpandedDrafts:
+    """Hydra: ``children[path] = (tokens, scores)`` for every path the heads expanded."""
+
+    children: dict[Path, tuple[Sequence[int], Sequence[float]]]
+
+    def num_children(self, path: Path) -> int:
+        kids = self.children.get(path)
+        return len(kids[0]) if kids is not None else 0
+
+    def token(self, path: Path) -> int:
+        return self.children[path[:-1]][0][path[-1]]
+
+    def score(self, path: Path) -> float:
+        return self.children[path[:-1]][1][path[-1]]
+
+    @classmethod
+    def from_levels(cls, tokens: Sequence[Sequence[Sequence[int]]], scores: Sequence[Sequence[Sequence[float]]],
+                    parents: Sequence[Sequence[int]], temperature: float = 1.0) -> "ExpandedDrafts":
+        """Rebuild the paths from a level-by-level expansion (``HydraHeads.expand``'s output).
+
+        Level 0 has one row (the root's children). Row i of level l > 0 extends candidate
+        ``parents[l][i]`` of level l-1, a flat index ``row * k + rank`` into that level's lists.
+        """
+        children: dict[Path, tuple[Sequence[int], Sequence[float]]] = {}
+        row_paths: list[Path] = [()]
+        for level, (toks, lps) in enumerate(zip(tokens, scores)):
+            if level > 0:
+                prev, k = row_paths, len(tokens[level - 1][0])
+                row_paths = [prev[f // k] + (f % k,) for f in parents[level]]
+            for path, t, s in zip(row_paths, toks, lps):
+                children[path] = (list(t), [x / temperature for x in s])
+        return cls(children)
