@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: self-distil the bundled model, train Hydra heads (concat and chain conditioning)
+# on the same data, and score them and the shipped Medusa heads side by side on MT-Bench turn 1.
+# Expects the model at $ELESIUM_MODEL and the prompts + gguf wheel in $CARRY; results go to $OUT.
+set -uo pipefail
+CARRY=${CARRY:-.lead-carry}
+OUT=${OUT:-/tmp/out}
+W=${WORK:-/root/heads}
+mkdir -p "$OUT" /tmp/p/elesium "$W"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "$CARRY"/*.whl >/dev/null 2>&1
+cp -r elesium/* /tmp/p/elesium/
+for d in inference kernels state graphs api; do rm -rf "/tmp/p/elesium/$d"; cp -r "$d" "/tmp/p/elesium/$d"; done
+export PYTHONPATH=/tmp/p:/tmp/site PYTHONUNBUFFERED=1 ELESIUM_CACHE_DIR=/root/cache ELESIUM_TREE_ATTENTION=reference
+P="$CARRY/mt_bench_questions.jsonl"
+E="python3 -P -m elesium.cli"
+COMMON="--device cuda --kind hydra --loss kl --steps ${STEPS:-2000} --batch-size 4096 --eval-every 500 --ckpt-every 1000 --gen-batch 512 --eval-prompts $P"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+$E train-heads $COMMON --conditioning concat --prompts 3000 --time-budget 420 --out "$W/hydra_concat" 2>&1 | grep -v "it/s\]" | tail -12 | tee "$OUT/hydra_concat.log"
+$E train-heads $COMMON --conditioning chain --data "$W/hydra_concat/distill.jsonl.gz" --time-budget 150 --out "$W/hydra_chain" 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/hydra_chain.log"
+$E eval-heads --device cuda --prompts "$P" --json > "$OUT/medusa_shipped_eval.json" 2>"$OUT/medusa_eval.log"
+cat "$OUT/medusa_shipped_eval.json"
+tar czf "$OUT/heads.tgz" -C "$W" hydra_concat/heads.safetensors hydra_concat/manifest.json hydra_chain/heads.safetensors hydra_chain/manifest.json hydra_concat/distill.jsonl.gz
+ls -la "$OUT"
