@@ -51,7 +51,7 @@ engine.generate(prompts[0], SamplingParams(max_tokens=8), mode="medusa")
 runner = engine.runner
 for n in (1, 16, 64):
     runner.decode(list(range(n)), list(range(600, 600 + n)), 600, torch.ones(n, n, dtype=torch.bool).tril(), drafts=n > 1)
-    graph = runner._graphs[(next(b for b in runner.buckets if b >= n), n > 1)][0]
+    graph = runner._graphs[(next(b for b in runner.buckets if b >= n), n > 1 and runner.fuses_drafts)][0]
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     ev[0].record()
     for _ in range(50):
@@ -67,6 +67,15 @@ for n in (1, 16, 64):
         out.greedy.tolist()
         times.append(1000 * (time.perf_counter() - t))
     print(f"N={n}: graph replay {replay:.3f} ms (GPU), decode() incl. host work + readback {statistics.median(times):.3f} ms")
+if getattr(engine.heads, "conditioned", False):  # Hydra: the per-step drafting replay, with readback
+    h = torch.zeros(engine.model.config.hidden_size, device="cuda", dtype=engine.model.dtype)
+    times = []
+    for i in range(33):
+        t = time.perf_counter()
+        outs = runner.expand(engine.heads, h, 1 + i, engine.policy.expand_width, 10)
+        [o.tolist() for o in outs]
+        times.append(1000 * (time.perf_counter() - t))
+    print(f"hydra expand (width {engine.policy.expand_width}, top-10) incl. readback: {statistics.median(times[3:]):.3f} ms")
 gen = engine.generate(prompts[1], SamplingParams(max_tokens=128), mode="vanilla")
 print(f"vanilla step (whole loop): {1000 * gen.elapsed_s / gen.new_tokens:.3f} ms/token; "
       f"median StepRecord {1000 * statistics.median(s.elapsed_s for s in gen.steps):.3f} ms")
