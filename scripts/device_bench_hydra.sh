@@ -18,16 +18,17 @@ best = max(pathlib.Path(sys.argv[1]).glob("hydra_*/manifest.json"),
 print(best.parent)
 PY
 )
-echo "default heads for this run: $WIN" | tee "$OUT/winner.txt"
+echo "default heads for this run: $WIN"
+R=/root/results; mkdir -p $R
 cp "$WIN"/heads.safetensors "$WIN"/manifest.json /tmp/p/elesium/inference/heads/smollm2-135m-instruct/
 export PYTHONPATH=/tmp/p:/tmp/site PYTHONUNBUFFERED=1
 P="$CARRY/mt_bench_questions.jsonl"
 E="python3 -P -m elesium.cli"
 ELESIUM_CACHE_DIR=/root/cache_hydra timeout 150 python3 -P scripts/device_smoke.py "$P" 2>&1 | tee "$OUT/smoke.log"
 export ELESIUM_CACHE_DIR=/root/cache_hydra
-$E tune --out "$OUT/profile_hydra.json" 2>&1 | tail -8 | tee "$OUT/tune.log"
-$E bench --prompts "$P" --max-tokens 128 --temperature 0 --out "$OUT/hydra_t0" 2>"$OUT/hydra_t0.log" | tail -12
-$E bench --prompts "$P" --max-tokens 128 --temperature 0.7 --out "$OUT/hydra_t07" 2>"$OUT/hydra_t07.log" | tail -12
-ELESIUM_CACHE_DIR=/root/cache_medusa $E bench --heads inference/heads/smollm2-135m-instruct --prompts "$P" --max-tokens 128 --temperature 0 --out "$OUT/medusa_t0" 2>"$OUT/medusa_t0.log" | tail -12
-tar czf "$OUT/bench.tgz" -C "$OUT" hydra_t0 hydra_t07 medusa_t0 2>/dev/null
+$E tune --out "$R/profile_hydra.json" 2>&1 | tail -8 | tee "$OUT/tune.log"
+$E bench --prompts "$P" --max-tokens 128 --temperature 0 --out "$R/hydra_t0" 2>"$R/hydra_t0.log" | tail -12
+$E bench --prompts "$P" --max-tokens 128 --temperature 0.7 --out "$R/hydra_t07" 2>"$R/hydra_t07.log" | tail -12
+ELESIUM_CACHE_DIR=/root/cache_medusa $E bench --heads inference/heads/smollm2-135m-instruct --prompts "$P" --max-tokens 128 --temperature 0 --out "$R/medusa_t0" 2>"$R/medusa_t0.log" | tail -12
+tar czf "$OUT/results.tgz" -C "$R" .
 ls "$OUT"
