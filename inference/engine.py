@@ -132,7 +132,8 @@ class Engine:
             medusa = load_heads(heads, base_sha256=weights.sha256, device=dev, dtype=dt)
         speculate = True
         if policy is None:
-            profile = find_profile(settings.cache_dir, weights.sha256, dev, dt)
+            profile = find_profile(settings.cache_dir, weights.sha256, dev, dt,
+                                   getattr(medusa, "source_sha256", ""))
             policy = profile.policy() if profile is not None else None
             speculate = profile.speculate if profile is not None else True
         return cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,

@@ -26,6 +26,7 @@ API used by the speculative engine (keep it stable): ``MedusaHeads.forward(hidde
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,6 +166,8 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     heads = build_heads(manifest["heads"])
     heads.load_state_dict(load_file(str(weights)))
+    # Tuning profiles record which heads they measured; this is how they are matched.
+    heads.source_sha256 = hashlib.sha256(weights.read_bytes()).hexdigest()
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

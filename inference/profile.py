@@ -45,6 +45,8 @@ class TuneProfile:
     # False when speculation measured slower than vanilla here: the engine then defaults to vanilla
     # (heads stay loaded, so --mode medusa still works).
     speculate: bool = True
+    # The heads' weights file the acceptance and tree were measured with ("": any heads).
+    heads_sha256: str = ""
     created: str = ""
     host: str = field(default_factory=platform.node)
 
@@ -77,15 +79,15 @@ def profile_path(cache_dir: Path, model_sha256: str, device: torch.device, dtype
     return cache_dir / "profiles" / f"{model_sha256[:16]}-{device_kind(device)}-{dt}.json"
 
 
-def find_profile(cache_dir: Path, model_sha256: str, device: torch.device, dtype: torch.dtype) -> TuneProfile | None:
-    own = profile_path(cache_dir, model_sha256, device, dtype)
-    if own.exists():
-        return TuneProfile.load(own)
+def find_profile(cache_dir: Path, model_sha256: str, device: torch.device, dtype: torch.dtype,
+                 heads_sha256: str = "") -> TuneProfile | None:
+    """The tuned profile for this model, device and dtype, unless it was tuned with other heads."""
     kind = device_kind(device)
-    for candidate in (SHIPPED / f"{kind}.json", SHIPPED / f"{device.type}.json"):
+    for candidate in (profile_path(cache_dir, model_sha256, device, dtype), SHIPPED / f"{kind}.json",
+                      SHIPPED / f"{device.type}.json"):
         if candidate.exists():
             prof = TuneProfile.load(candidate)
-            if prof.model_sha256 == model_sha256:
+            if prof.model_sha256 == model_sha256 and prof.heads_sha256 in ("", heads_sha256):
                 return prof
     return None
 

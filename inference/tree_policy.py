@@ -22,7 +22,7 @@ from typing import Literal
 
 from elesium.inference.records import StepRecord
 from elesium.inference.drafts import DraftSet
-from elesium.inference.tree import Path, Tree, restricted, top_paths
+from elesium.inference.tree import Path, Tree, ranked_paths, restricted
 
 TreeKind = Literal["static", "dynamic"]
 
@@ -89,21 +89,17 @@ class TreePolicy:
         """This step's tree from the drafted candidates (scores already at the draft temperature)."""
         if self._static is not None:
             return restricted(self._static, drafts)
-        full = top_paths(drafts, self.max_nodes)
-        # Score of each path = sum of its log-probs; probability of acceptance ~ calibrated product.
-        logp: dict[Path, float] = {(): 0.0}
-        probs = []
-        for path in full.paths[1:]:
-            logp[path] = logp[path[:-1]] + drafts.score(path)
-            probs.append(min(1.0, self.calibration * math.exp(logp[path])))
+        ranked = ranked_paths(drafts, self.max_nodes - 1)
+        # Probability of acceptance ~ calibrated product of the path's draft probabilities.
+        probs = [min(1.0, self.calibration * math.exp(score)) for _, score in ranked]
         best_n, best_rate, gain = 1, 1.0 / self.cost(1), 1.0
         for i, p in enumerate(probs, start=2):
             gain += p
             rate = gain / self.cost(i)
             if rate > best_rate:
                 best_n, best_rate = i, rate
-        best_n = max(best_n, min(self.min_nodes, full.size))
-        tree = Tree.from_paths(full.paths[1:best_n])
+        best_n = max(best_n, min(self.min_nodes, len(ranked) + 1))
+        tree = Tree.from_paths([p for p, _ in ranked[: best_n - 1]])
         self._predicted = sum(probs[: best_n - 1])
         return tree
 

@@ -96,7 +96,7 @@ def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96
     return (hits / max(1, total)).tolist()
 
 
-def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 4, ab_tokens: int = 64,
+def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 6, ab_tokens: int = 64,
          log: Callable[[str], None] = print) -> TuneProfile:
     if engine.heads is None:
         raise ValueError("tuning needs Medusa heads for this model (train them with `elesium train-heads`)")
@@ -110,6 +110,7 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 4, ab_toke
     profile = TuneProfile(device_kind=device_kind(engine.model.device),
                           dtype=str(engine.model.dtype).removeprefix("torch."),
                           model_sha256=engine.weights_info.sha256 if engine.weights_info else "",
+                          heads_sha256=getattr(engine.heads, "source_sha256", ""),
                           cost_sizes=sizes, cost_ms=costs, step_overhead_ms=0.0, acceptance=acceptance,
                           created=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     # Per-step overhead (heads, tree building, verification, compaction) from a real generation.
@@ -120,23 +121,28 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 4, ab_toke
                                    - profile.cost_curve()(2))
     paths, expected = best_static_tree(acceptance, profile.cost_curve(), max_nodes=max(sizes))
     profile.static_paths, profile.expected_tokens_per_step = paths, expected
-    profile.max_nodes = min(max(sizes), max(8, 2 * (len(paths) + 1)))
     log(f"  step overhead {profile.step_overhead_ms:.2f} ms; best static tree: {len(paths) + 1} nodes, "
         f"expected {expected:.2f} tokens/step")
-    # Side by side: static and dynamic trees against vanilla, rotating the order, on calibration prompts.
-    kinds = ("static", "dynamic", "vanilla")
-    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    # Side by side, rotating the order: the static tree, dynamic trees under several size caps, and
+    # vanilla. The caps are measured rather than modelled because host work (building the tree,
+    # staging its mask, walking it) grows with the tree and the cost curve above does not see it.
+    caps = sorted({c for c in (16, 32, 64, max(sizes)) if c <= max(sizes)})
+    arms = [("static", 0)] + [("dynamic", c) for c in caps] + [("vanilla", 0)]
+    rates: dict[tuple[str, int], list[float]] = {arm: [] for arm in arms}
     for i, prompt in enumerate(prompts[:ab_prompts]):
-        for kind in kinds[i % 3:] + kinds[:i % 3]:
+        for kind, cap in arms[i % len(arms):] + arms[:i % len(arms)]:
             if kind != "vanilla":
-                profile.kind = kind
+                profile.kind, profile.max_nodes = kind, cap or profile.max_nodes
                 engine.policy = profile.policy()
             mode = "vanilla" if kind == "vanilla" else "medusa"
-            rates[kind].append(engine.generate(prompt, SamplingParams(max_tokens=ab_tokens), mode=mode).tokens_per_s)
-    medians = {k: statistics.median(v) for k, v in rates.items()}
-    profile.kind = max(("static", "dynamic"), key=medians.__getitem__)
-    profile.speculate = medians[profile.kind] > medians["vanilla"]
+            gen = engine.generate(prompt, SamplingParams(max_tokens=ab_tokens), mode=mode)
+            rates[(kind, cap)].append(gen.tokens_per_s)
+    medians = {arm: statistics.median(v) for arm, v in rates.items()}
+    best = max((arm for arm in arms if arm[0] != "vanilla"), key=medians.__getitem__)
+    profile.kind, profile.max_nodes = best[0], best[1] or min(max(sizes), max(8, 2 * (len(paths) + 1)))
+    profile.speculate = medians[best] > medians[("vanilla", 0)]
     engine.policy = profile.policy()
-    log(f"  tokens/s static {medians['static']:.1f}, dynamic {medians['dynamic']:.1f}, vanilla "
-        f"{medians['vanilla']:.1f}: using {profile.kind}" + ("" if profile.speculate else "; vanilla by default"))
+    log("  tokens/s " + ", ".join(f"{k}{'<=' + str(c) if c else ''} {medians[(k, c)]:.1f}" for k, c in arms)
+        + f": using {profile.kind}" + (f" (<= {profile.max_nodes} nodes)" if profile.kind == "dynamic" else "")
+        + ("" if profile.speculate else "; vanilla by default"))
     return profile
