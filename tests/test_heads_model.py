@@ -1,15 +1,17 @@
-"""Medusa heads against the real bundled model: batched generation, shipped heads, the eval-heads CLI."""
+"""Draft heads against the real bundled model: batched generation, shipped heads, the eval-heads CLI."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from elesium.cli import main
 from elesium.inference.distill import generate_batch
-from elesium.inference.heads import MedusaHeads, load_heads, save_heads
+from elesium.inference.heads import MedusaHeads, default_heads_dir, load_heads, save_heads
+from elesium.inference.hydra_heads import HydraHeads
 
 PROMPTS = ["Summarise: the VPN is down for the whole floor since 9am.",
            "What is 17 + 25?",
@@ -26,19 +28,23 @@ def test_batched_greedy_equals_unbatched(engine):
         assert len(out) >= 1
 
 
-def test_shipped_heads_load_and_beat_zero_init(engine):
-    heads = load_heads(None, base_sha256=engine.weights_info.sha256, device="cpu", dtype=torch.float32)
+@pytest.mark.parametrize("which", ["default (hydra)", "medusa"])
+def test_shipped_heads_load_and_beat_zero_init(engine, which):
+    directory = None if which.startswith("default") else default_heads_dir().with_name("smollm2-135m-instruct-medusa")
+    heads = load_heads(directory, base_sha256=engine.weights_info.sha256, device="cpu", dtype=torch.float32)
     assert heads.num_heads == 4
+    assert isinstance(heads, HydraHeads if which.startswith("default") else MedusaHeads)
     model, tok = engine.model, engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": PROMPTS[0]}])
-    answer = generate_batch(model, [ids], 12, eos_ids=tok.eos_ids)[0]
-    seq = torch.tensor([ids + answer])
+    answer = generate_batch(model, [ids], 16, eos_ids=tok.eos_ids)[0]
+    seq = torch.tensor(ids + answer)
+    rows = torch.arange(len(ids) - 1, len(seq) - 1 - heads.num_heads)
+    path = seq[rows[:, None] + 1 + torch.arange(heads.num_heads)]  # x_{t+1} ... x_{t+K}
     with torch.inference_mode():
-        hidden = model(seq, torch.arange(seq.shape[1]), model.new_cache(seq.shape[1]), 0)[0]
-        p = len(ids) - 1
-        trained = heads.head_logits(model, hidden[p:-2])[0].argmax(-1)
-        untrained = MedusaHeads(576).head_logits(model, hidden[p:-2])[0].argmax(-1)
-    target = seq[0, p + 2:]
+        hidden = model(seq[None], torch.arange(len(seq)), model.new_cache(len(seq)), 0)[0]
+        trained = model.logits(heads.teacher_forced(model, hidden[rows], path)[0]).argmax(-1)
+        untrained = MedusaHeads(576).head_logits(model, hidden[rows])[0].argmax(-1)
+    target = seq[rows + 2]
     assert (trained == target).float().mean() > (untrained == target).float().mean()
 
 
@@ -46,7 +52,7 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     # The CLI path end to end, minus a second multi-second model load: reuse the session's engine.
     from elesium.commands import eval_heads
 
-    monkeypatch.setattr(eval_heads, "load_engine", lambda args: engine)
+    monkeypatch.setattr(eval_heads, "load_engine", lambda args, **kwargs: engine)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"turns": [PROMPTS[1], "again"]}) + "\n")
     assert main(["eval-heads", "--prompts", str(prompts), "--max-tokens", "3", "--json", "--device", "cpu",

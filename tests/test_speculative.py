@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from elesium.inference.forward import ForwardRunner
+from elesium.inference.heads import default_heads_dir, load_heads
 from elesium.inference.records import StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.speculative import MedusaDecoder
@@ -51,17 +52,27 @@ def test_tree_structure():
     assert tree.truncated(3).paths == ((), (0,), (1,))
 
 
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
 @pytest.mark.parametrize("name", ["static", "dynamic"])
-def test_greedy_speculative_equals_vanilla(spec_engine, mt_bench_prompts, name):
+def test_greedy_speculative_equals_vanilla(spec_engine, mt_bench_prompts, name, kind):
+    """Both shipped head kinds: the default Hydra heads and the Medusa heads kept beside them."""
+    shipped = spec_engine.heads
+    if kind == "medusa":
+        spec_engine.heads = load_heads(default_heads_dir().with_name("smollm2-135m-instruct-medusa"),
+                                       base_sha256=spec_engine.weights_info.sha256)
+    assert getattr(spec_engine.heads, "conditioned", False) == (kind == "hydra")
     spec_engine.policy = POLICIES[name]
     accepted = []
-    for prompt in mt_bench_prompts[:3]:
-        params = SamplingParams(max_tokens=40)
-        vanilla = spec_engine.generate(prompt, params, mode="vanilla")
-        medusa = spec_engine.generate(prompt, params, mode="medusa")
-        assert medusa.token_ids == vanilla.token_ids
-        assert medusa.text == vanilla.text
-        accepted.append(medusa.mean_accepted)
+    try:
+        for prompt in mt_bench_prompts[:3]:
+            params = SamplingParams(max_tokens=40)
+            vanilla = spec_engine.generate(prompt, params, mode="vanilla")
+            medusa = spec_engine.generate(prompt, params, mode="medusa")
+            assert medusa.token_ids == vanilla.token_ids
+            assert medusa.text == vanilla.text
+            accepted.append(medusa.mean_accepted)
+    finally:
+        spec_engine.heads = shipped
     assert max(accepted) > 1.0  # the trained heads do get drafts accepted
 
 
