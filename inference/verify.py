@@ -47,7 +47,46 @@ def verify_greedy(tree: Tree, node_tokens: list[int], best: list[int]) -> Verdic
 
 def verify_sampled(tree: Tree, node_tokens: list[int], logits: torch.Tensor, params: SamplingParams,
                    sampler: Sampler) -> Verdict:
-    """Exact sequential rejection sampling over point-mass drafts (see module docstring)."""
+    """Exact sequential rejection sampling over point-mass drafts (see module docstring).
+
+    Reads back only what the walk needs: per visited node, its total mass and its children's
+    masses (a few numbers), and one full row at the end for the bonus draw. The reference below
+    copied a whole ``[V]`` row to the host at every visited node.
+    """
+    node = 0
+    path = [0]
+    while True:
+        p = target_probs(logits[node], params)
+        kids = tree.children[node]
+        masses: list[float] = []
+        remaining = 1.0
+        if kids:
+            idx = torch.tensor([node_tokens[c] for c in kids], device=p.device)
+            head = torch.cat([p.double().sum().view(1), p[idx].double()]).tolist()
+            remaining, masses = head[0], head[1:]
+        rejected: set[int] = set()
+        moved = False
+        for child, mass in zip(kids, masses):
+            x = node_tokens[child]
+            if mass <= 0.0 or x in rejected:
+                continue  # a duplicate (already rejected) or outside top-k / top-p
+            if sampler.uniform() * remaining < mass:
+                node = child
+                path.append(node)
+                moved = True
+                break
+            rejected.add(x)
+            remaining -= mass
+        if not moved:
+            row = p.double().cpu()
+            if rejected:
+                row[list(rejected)] = 0.0
+            return Verdict(path, sample_from(row, sampler.uniform()))
+
+
+def verify_sampled_reference(tree: Tree, node_tokens: list[int], logits: torch.Tensor, params: SamplingParams,
+                             sampler: Sampler) -> Verdict:
+    """The algorithm as written in the module docstring, on full host-side rows."""
     node = 0
     path = [0]
     while True:
@@ -57,7 +96,7 @@ def verify_sampled(tree: Tree, node_tokens: list[int], logits: torch.Tensor, par
             x = node_tokens[child]
             mass = float(p[x])
             if mass <= 0.0:
-                continue  # a duplicate (already rejected) or outside top-k / top-p
+                continue
             if sampler.uniform() * float(p.sum()) < mass:
                 node = child
                 path.append(node)

@@ -141,3 +141,4 @@ def test_hydra_save_load_round_trip(tmp_path):
     torch.testing.assert_close(loaded.teacher_forced(model, hidden, path), heads.teacher_forced(model, hidden, path),
                                rtol=0, atol=0)
     assert read_manifest(tmp_path / "h")["heads"]["kind"] == "hydra"
+
