@@ -1,0 +1,28 @@
+"""Tuning profiles are matched to the model, device, dtype and the heads they were measured with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from elesium.inference.profile import TuneProfile, find_profile, profile_path
+
+SHA = "b" * 64
+
+
+def profile(heads_sha256: str) -> TuneProfile:
+    return TuneProfile(device_kind="cpu-test", dtype="float32", model_sha256=SHA, cost_sizes=[1, 2], cost_ms=[1.0, 1.5],
+                       step_overhead_ms=0.1, acceptance=[[0.5]], heads_sha256=heads_sha256)
+
+
+def test_profile_for_other_heads_is_not_used(tmp_path: Path):
+    dev, dt = torch.device("cpu"), torch.float32
+    path = profile_path(tmp_path, SHA, dev, dt)
+    profile("h" * 64).save(path)
+    assert find_profile(tmp_path, SHA, dev, dt, "h" * 64) is not None
+    assert find_profile(tmp_path, SHA, dev, dt, "g" * 64) is None  # tuned with other heads
+    assert find_profile(tmp_path, "c" * 64, dev, dt, "h" * 64) is None  # another model
+    profile("").save(path)  # profiles from before heads were recorded match any heads
+    loaded = find_profile(tmp_path, SHA, dev, dt, "g" * 64)
+    assert loaded is not None and loaded.heads_sha256 == "" and loaded.policy().max_tree_size == 64
