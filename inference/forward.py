@@ -8,7 +8,9 @@ path passes a Python int and attends over just the live cache slots. Both comput
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from elesium.inference.model import KVCache, Transformer
 
 PREFILL_CHUNK = 512
+T = TypeVar("T")
 DRAFT_TOPK = 10  # candidates per head computed in a fused step; trees use at most this many ranks
 
 
@@ -153,21 +156,13 @@ class CudaGraphRunner(ForwardRunner):
             return super().expand(heads, hidden, token, width, topk)
         key = (width, topk)
         if key not in self._expanders:
-            io = {"hidden": hidden.detach().clone(), "token": torch.zeros(1, dtype=torch.long, device=self.device)}
+            io = {"hidden": hidden.detach().clone(),
+                  "token": torch.zeros(1, dtype=torch.long, device=self.device)}
 
             def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                 return self.heads.expand(self.model, io["hidden"], io["token"], width, topk)  # type: ignore[union-attr]
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    body()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                outs = body()
-            self._pool = graph.pool()
+            graph, outs = self._record(body)
             self._expanders[key] = (graph, io, outs)
         graph, io, outs = self._expanders[key]
         io["hidden"].copy_(hidden)
@@ -196,7 +191,12 @@ class CudaGraphRunner(ForwardRunner):
             ancestors = buf[2 * n + 1:].view(n, n).bool()
             return self.step_outputs(tokens, positions, ancestors, offset, with_drafts=drafts)
 
-        # Warm up on a side stream (allocator and kernel selection), as torch's docs prescribe.
+        graph, out = self._record(body)
+        return graph, io, out
+
+    def _record(self, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """Warm ``body`` up on a side stream (allocator, kernel selection; as torch's docs prescribe),
+        then capture it into a graph sharing the runner's memory pool."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -207,7 +207,7 @@ class CudaGraphRunner(ForwardRunner):
         with torch.cuda.graph(graph, pool=self._pool):
             out = body()
         self._pool = graph.pool()
-        return graph, io, out
+        return graph, out
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], offset: int,

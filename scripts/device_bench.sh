@@ -4,15 +4,8 @@
 # `elesium bench` at T=0 and T=0.7 on MT-Bench turn 1. Expects the model at $ELESIUM_MODEL and
 # the prompts + gguf wheel in $CARRY. Writes JSON and logs under $OUT.
 set -uo pipefail
-CARRY=${CARRY:-.lead-carry}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/p/elesium
-python3 -m pip install -q --no-index --no-deps --target /tmp/site "$CARRY"/*.whl >/dev/null 2>&1
-cp -r elesium/* /tmp/p/elesium/
-for d in inference kernels state graphs api; do rm -rf "/tmp/p/elesium/$d"; cp -r "$d" "/tmp/p/elesium/$d"; done
-export PYTHONPATH=/tmp/p:/tmp/site PYTHONUNBUFFERED=1 ELESIUM_CACHE_DIR=/root/cache
-P="$CARRY/mt_bench_questions.jsonl"
-E="python3 -P -m elesium.cli"  # -P: the repo root must not shadow the shim
+source "$(dirname "$0")/device_env.sh"
+export ELESIUM_CACHE_DIR=/root/cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -P scripts/device_smoke.py 2>&1 | tee "$OUT/smoke.log"
 $E bench --prompts "$P" --limit ${EAGER_PROMPTS:-12} --max-tokens 128 --vanilla-only --no-cuda-graphs --out "$OUT/vanilla_eager" 2>"$OUT/vanilla_eager.log" | tail -8

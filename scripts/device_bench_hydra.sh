@@ -2,16 +2,8 @@
 # With the model at $ELESIUM_MODEL: check CUDA greedy equality with the shipped (Hydra) heads, tune,
 # and bench them (T=0, T=0.7) and the earlier Medusa heads (T=0) side by side on MT-Bench turn 1.
 set -uo pipefail
-CARRY=${CARRY:-.lead-carry}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/p/elesium
-python3 -m pip install -q --no-index --no-deps --target /tmp/site "$CARRY"/*.whl >/dev/null 2>&1
-cp -r elesium/* /tmp/p/elesium/
-for d in inference kernels state graphs api; do rm -rf "/tmp/p/elesium/$d"; cp -r "$d" "/tmp/p/elesium/$d"; done
+source "$(dirname "$0")/device_env.sh"
 R=/root/results; mkdir -p $R
-export PYTHONPATH=/tmp/p:/tmp/site PYTHONUNBUFFERED=1
-P="$CARRY/mt_bench_questions.jsonl"
-E="python3 -P -m elesium.cli"
 ELESIUM_CACHE_DIR=/root/cache_hydra timeout 150 python3 -P scripts/device_smoke.py "$P" 2>&1 | tee "$OUT/smoke.log"
 export ELESIUM_CACHE_DIR=/root/cache_hydra
 $E tune --out "$R/profile_hydra.json" 2>&1 | tail -8 | tee "$OUT/tune.log"

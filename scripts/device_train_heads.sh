@@ -3,16 +3,9 @@
 # on the same data, and score them and the shipped Medusa heads side by side on MT-Bench turn 1.
 # Expects the model at $ELESIUM_MODEL and the prompts + gguf wheel in $CARRY; results go to $OUT.
 set -uo pipefail
-CARRY=${CARRY:-.lead-carry}
-OUT=${OUT:-/tmp/out}
+source "$(dirname "$0")/device_env.sh"
 W=${WORK:-/root/heads}
-mkdir -p "$OUT" /tmp/p/elesium "$W"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site "$CARRY"/*.whl >/dev/null 2>&1
-cp -r elesium/* /tmp/p/elesium/
-for d in inference kernels state graphs api; do rm -rf "/tmp/p/elesium/$d"; cp -r "$d" "/tmp/p/elesium/$d"; done
-export PYTHONPATH=/tmp/p:/tmp/site PYTHONUNBUFFERED=1 ELESIUM_CACHE_DIR=/root/cache ELESIUM_TREE_ATTENTION=reference
-P="$CARRY/mt_bench_questions.jsonl"
-E="python3 -P -m elesium.cli"
+export ELESIUM_CACHE_DIR=/root/cache ELESIUM_TREE_ATTENTION=reference
 COMMON="--device cuda --kind hydra --loss kl --steps ${STEPS:-2000} --batch-size 4096 --eval-every 500 --ckpt-every 1000 --gen-batch 512 --eval-prompts $P"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $E train-heads $COMMON --conditioning concat --prompts 3000 --time-budget 420 --out "$W/hydra_concat" 2>&1 | grep -v "it/s\]" | tail -12 | tee "$OUT/hydra_concat.log"
