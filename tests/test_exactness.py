@@ -38,16 +38,21 @@ def tiny():
     return tiny_model(0), RandomHeads(32, 3, seed=1)
 
 
+def assert_samples_exact(model, heads, policy, temperature: float, seed: int, label: str) -> None:
+    """SAMPLES speculative two-token continuations must fit the base model's exact joint (chi-square p > 0.01)."""
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    expected = exact_joint(model, PREFIX, FIRST, params, 2)
+    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=seed)
+    p = chi_square_p(counts, expected, SAMPLES)
+    print(f"{label}: chi-square p = {p:.3f}")
+    assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.5])
 @pytest.mark.parametrize("policy", [STATIC, DYNAMIC], ids=["static", "dynamic"])
 def test_speculative_sampling_is_exact(tiny, temperature, policy):
     model, heads = tiny
-    params = SamplingParams(temperature=temperature, top_p=0.9)
-    expected = exact_joint(model, PREFIX, FIRST, params, 2)
-    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=7)
-    p = chi_square_p(counts, expected, SAMPLES)
-    print(f"exact {policy.kind} T={temperature}: chi-square p = {p:.3f}")
-    assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
+    assert_samples_exact(model, heads, policy, temperature, seed=7, label=f"exact {policy.kind} T={temperature}")
 
 
 @pytest.mark.parametrize(("temperature", "policy", "conditioning"),
@@ -57,12 +62,8 @@ def test_hydra_speculative_sampling_is_exact(tiny, temperature, policy, conditio
     """Hydra heads draft a different list under every parent; verification must not care."""
     model, _ = tiny
     heads = random_hydra_heads(32, 3, seed=2, conditioning=conditioning)
-    params = SamplingParams(temperature=temperature, top_p=0.9)
-    expected = exact_joint(model, PREFIX, FIRST, params, 2)
-    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=11)
-    p = chi_square_p(counts, expected, SAMPLES)
-    print(f"exact hydra {conditioning} {policy.kind} T={temperature}: chi-square p = {p:.3f}")
-    assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
+    assert_samples_exact(model, heads, policy, temperature, seed=11,
+                         label=f"exact hydra {conditioning} {policy.kind} T={temperature}")
 
 
 def wrong_residual(tree, node_tokens, logits, params, sampler):
