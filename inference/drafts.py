@@ -59,6 +59,11 @@ class FactoredDrafts:
     def score(self, path: Path) -> float:
         return self.scores[len(path) - 1][path[-1]]
 
+    @classmethod
+    def from_scores(cls, scores: Sequence[Sequence[float]]) -> FactoredDrafts:
+        """Rank-only drafts (each token is its rank), for searches over calibrated acceptance tables."""
+        return cls([list(range(len(row))) for row in scores], [list(row) for row in scores])
+
 
 @dataclass(frozen=True)
 class ExpandedDrafts:
@@ -77,19 +82,22 @@ class ExpandedDrafts:
         return self.children[path[:-1]][1][path[-1]]
 
     @classmethod
-    def from_levels(cls, tokens: Sequence[Sequence[Sequence[int]]], scores: Sequence[Sequence[Sequence[float]]],
-                    parents: Sequence[Sequence[int]], temperature: float = 1.0) -> "ExpandedDrafts":
-        """Rebuild the paths from a level-by-level expansion (``HydraHeads.expand``'s output).
+    def from_expansion(cls, tokens: Sequence[Sequence[int]], scores: Sequence[Sequence[float]],
+                       parents: Sequence[int], width: int, temperature: float = 1.0) -> ExpandedDrafts:
+        """Rebuild the paths from ``HydraHeads.expand``'s output, read back as lists.
 
-        Level 0 has one row (the root's children). Row i of level l > 0 extends candidate
-        ``parents[l][i]`` of level l-1, a flat index ``row * k + rank`` into that level's lists.
+        Rows are concatenated over levels: level 0 is one row (the root's children), and each later
+        level has ``min(width, rows * k)`` rows, where ``rows`` is the level before's. Row i of level
+        l > 0 extends candidate ``parents[i]`` of level l-1: a flat index ``row * k + rank`` into it.
         """
         children: dict[Path, tuple[Sequence[int], Sequence[float]]] = {}
-        row_paths: list[Path] = [()]
-        for level, (toks, lps) in enumerate(zip(tokens, scores)):
-            if level > 0:
-                prev, k = row_paths, len(tokens[level - 1][0])
-                row_paths = [prev[f // k] + (f % k,) for f in parents[level]]
-            for path, t, s in zip(row_paths, toks, lps):
-                children[path] = (list(t), [x / temperature for x in s])
+        level_paths: list[Path] = [()]
+        start, k = 0, len(tokens[0]) if tokens else 0
+        while start < len(tokens):
+            if start > 0:
+                prev = level_paths
+                level_paths = [prev[f // k] + (f % k,) for f in parents[start:start + min(width, len(prev) * k)]]
+            for i, path in enumerate(level_paths):
+                children[path] = (list(tokens[start + i]), [x / temperature for x in scores[start + i]])
+            start += len(level_paths)
         return cls(children)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from elesium.inference.drafts import FactoredDrafts
 from elesium.inference.tree import top_paths
 from elesium.inference.tree_policy import CostCurve, TreePolicy
 
@@ -103,7 +104,7 @@ def best_static_tree(acceptance: list[list[float]], cost: CostCurve, max_nodes: 
     logs = [[math.log(max(p, 1e-9)) for p in row] for row in acceptance]
     best: tuple[float, list[list[int]], float] = (1.0 / cost(1), [], 1.0)
     for n in range(2, max_nodes + 1):
-        tree = top_paths(logs, n)
+        tree = top_paths(FactoredDrafts.from_scores(logs), n)
         expected = 1.0 + sum(math.exp(sum(logs[d][r] for d, r in enumerate(p))) for p in tree.paths[1:])
         rate = expected / cost(tree.size)
         if rate > best[0]:

@@ -74,14 +74,8 @@ class MedusaDecoder:
         """Hydra: one drafting pass from (h, t0), read back in one copy per output."""
         width = self.policy.expand_width
         tokens, logprobs, parents = self.runner.expand(self.heads, self.hidden, self.pending, width, k)
-        tokens, logprobs, parents = tokens.tolist(), logprobs.float().tolist(), parents.tolist()
-        bounds, rows = [0], 1
-        for _ in range(self.heads.num_heads):
-            bounds.append(bounds[-1] + rows)
-            rows = min(width, rows * k)
-        levels = list(zip(bounds, bounds[1:]))
-        return ExpandedDrafts.from_levels([tokens[a:b] for a, b in levels], [logprobs[a:b] for a, b in levels],
-                                          [parents[a:b] for a, b in levels], temperature)
+        return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(), width,
+                                             temperature)
 
     def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
         """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""

@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from elesium.inference.drafts import DraftSet, FactoredDrafts, Path, contains
+from elesium.inference.drafts import DraftSet, Path, contains
 
 
 @dataclass(frozen=True)
@@ -133,38 +133,33 @@ class Tree:
         return out[::-1]
 
 
-def ranked_paths(drafts: DraftSet | Sequence[Sequence[float]], count: int,
-                 max_depth: int | None = None) -> list[tuple[Path, float]]:
+def ranked_paths(drafts: DraftSet, count: int, max_depth: int | None = None) -> list[tuple[Path, float]]:
     """The ``count`` paths with the highest total score, best first, with their totals.
 
-    ``drafts`` is a ``DraftSet``, or Medusa-style scores where ``scores[d][r]`` is the score (a
-    log-probability, so <= 0) of taking rank r at depth d+1 under any parent. Best-first search: a
-    path's children can only score lower than the path, so popping paths in score order yields exactly
-    the top ``count`` paths, and every prefix of them comes out first.
+    Scores are log-probabilities (so <= 0; ``FactoredDrafts.from_scores`` wraps a bare Medusa-style
+    ``scores[d][r]`` table). Best-first search: a path's children can only score lower than the path,
+    so popping paths in score order yields exactly the top ``count`` paths, and every prefix of them
+    comes out first.
     """
-    if not hasattr(drafts, "num_children"):
-        scores = [list(row) for row in drafts]  # type: ignore[union-attr]
-        drafts = FactoredDrafts([list(range(len(row))) for row in scores], scores)
-    ds: DraftSet = drafts  # type: ignore[assignment]
     depth_limit = max_depth if max_depth is not None else 1 << 30
     chosen: list[tuple[Path, float]] = []
     heap: list[tuple[float, Path]] = []
-    if depth_limit and ds.num_children(()):
-        heapq.heappush(heap, (-ds.score((0,)), (0,)))
+    if depth_limit and drafts.num_children(()):
+        heapq.heappush(heap, (-drafts.score((0,)), (0,)))
     while heap and len(chosen) < count:
         neg, path = heapq.heappop(heap)
         chosen.append((path, -neg))
         parent, r = path[:-1], path[-1]
-        if r + 1 < ds.num_children(parent):  # next sibling
+        if r + 1 < drafts.num_children(parent):  # next sibling
             sib = parent + (r + 1,)
-            heapq.heappush(heap, (neg + ds.score(path) - ds.score(sib), sib))
-        if len(path) < depth_limit and ds.num_children(path):  # first child
+            heapq.heappush(heap, (neg + drafts.score(path) - drafts.score(sib), sib))
+        if len(path) < depth_limit and drafts.num_children(path):  # first child
             child = path + (0,)
-            heapq.heappush(heap, (neg - ds.score(child), child))
+            heapq.heappush(heap, (neg - drafts.score(child), child))
     return chosen
 
 
-def top_paths(drafts: DraftSet | Sequence[Sequence[float]], budget: int, max_depth: int | None = None) -> Tree:
+def top_paths(drafts: DraftSet, budget: int, max_depth: int | None = None) -> Tree:
     """The tree of ``budget`` nodes (root included) whose paths have the highest total score."""
     return Tree.from_paths([p for p, _ in ranked_paths(drafts, budget - 1, max_depth)])
 

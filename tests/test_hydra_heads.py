@@ -68,11 +68,7 @@ def test_expand_matches_teacher_forcing(conditioning, seed):
     heads = randomised(HydraHeads(32, num_heads=3, conditioning=conditioning), seed=seed + 10)
     hidden, first, width, k = torch.randn(32), int(torch.randint(VOCAB, ()).item()), 3, 5
     tokens, logprobs, parents = heads.expand(model, hidden, torch.tensor([first]), width, k)
-    bounds = [0, 1, 1 + width, 1 + 2 * width]
-    levels = list(zip(bounds, bounds[1:]))
-    drafts = ExpandedDrafts.from_levels([tokens[a:b].tolist() for a, b in levels],
-                                        [logprobs[a:b].tolist() for a, b in levels],
-                                        [parents[a:b].tolist() for a, b in levels])
+    drafts = ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.tolist(), parents.tolist(), width)
     assert len(drafts.children) == 1 + 2 * width
     cumulative: dict[tuple[int, ...], float] = {(): 0.0}
     for path, (toks, lps) in sorted(drafts.children.items(), key=lambda kv: len(kv[0])):

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from elesium.inference.drafts import FactoredDrafts
 from elesium.inference.forward import ForwardRunner
 from elesium.inference.heads import default_heads_dir, load_heads
 from elesium.inference.records import StepRecord
@@ -35,7 +36,7 @@ def test_top_paths_equals_brute_force():
     every = [p for d in range(1, 4) for p in itertools.product(range(4), repeat=d)]
     value = {p: sum(scores[i][r] for i, r in enumerate(p)) for p in every}
     for budget in (1, 2, 5, 17, 40):
-        tree = top_paths(scores, budget)
+        tree = top_paths(FactoredDrafts.from_scores(scores), budget)
         best = sorted(every, key=value.__getitem__, reverse=True)[: budget - 1]
         assert set(tree.paths[1:]) == set(best)
         assert all(p[:-1] in set(tree.paths) for p in tree.paths[1:])  # prefix-closed
