@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from elesium.inference.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
+from elesium.inference.head_storage import Scheme, round_trip
 from elesium.inference.heads import build_heads, read_manifest, save_heads
 from elesium.inference.hydra_heads import DraftHeads
 from elesium.inference.model import Transformer
@@ -64,6 +65,7 @@ class TrainConfig:
     eval_prompts: Path | None = None    # e.g. MT-Bench; scored at the end with eval_max_tokens
     eval_max_tokens: int = 256
     save_dtype: str = "float16"
+    storage: Scheme = "float"           # weight matrices on disk: float (save_dtype), int8, int4 or mixed
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -305,9 +307,11 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
     save_ckpt()
     train_s = time.monotonic() - t0
 
-    # -- final evaluation, of the weights exactly as shipped (save_dtype), and the artefact ----------
+    # -- final evaluation, of the weights exactly as shipped (save_dtype, storage), and the artefact --
     save_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.save_dtype]
     heads = heads.to(save_dtype).eval()
+    if cfg.storage != "float":
+        heads.load_state_dict(round_trip(heads.state_dict(), cfg.storage, save_dtype))
     held = evaluate(heads, model, val_cache)
     eval_block: dict[str, Any] = {"held_out": held}
     if cfg.eval_prompts is not None:
@@ -337,6 +341,6 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         },
         "eval": eval_block, "history": history, "command": cfg.command, "hardware": hardware(), **cfg.extra,
     }
-    save_heads(heads, cfg.out, manifest)
+    save_heads(heads, cfg.out, manifest, storage=cfg.storage)
     log(f"wrote {cfg.out / 'heads.safetensors'} and manifest.json ({time.monotonic() - t0:.0f}s total)")
     return read_manifest(cfg.out)

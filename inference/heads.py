@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from elesium.inference.head_storage import Scheme, read_state, write_state
 
 MANIFEST_FORMAT = "elesium-medusa-heads/1"
 WEIGHTS_FILE = "heads.safetensors"
@@ -116,21 +117,24 @@ if TYPE_CHECKING:
     from elesium.inference.hydra_heads import DraftHeads
 
 
-def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, Any]) -> Path:
-    """Write ``heads.safetensors`` (in the heads' current dtype) and ``manifest.json`` to ``directory``.
+def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, Any],
+               storage: Scheme = "float") -> Path:
+    """Write ``heads.safetensors`` and ``manifest.json`` to ``directory``.
 
-    ``manifest`` must carry ``base_model.sha256``; the head config and format tag are filled in here
-    so they can never disagree with the weights.
+    ``storage`` is ``float`` (the heads' current dtype), or ``int8`` / ``int4`` weight matrices with
+    the biases in the heads' dtype (``head_storage`` says why and how). ``manifest`` must carry
+    ``base_model.sha256``; the head config, storage and format tag are filled in here so they can
+    never disagree with the weights.
     """
     directory = Path(directory)
     sha = (manifest.get("base_model") or {}).get("sha256")
     if not sha:
         raise ValueError("the manifest needs base_model.sha256 (the base model the heads were trained on)")
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": MANIFEST_FORMAT})
+    write_state(directory / WEIGHTS_FILE, heads.state_dict(), storage, heads.dtype, {"format": MANIFEST_FORMAT})
     full = {"format": MANIFEST_FORMAT, **manifest,
-            "heads": {**manifest.get("heads", {}), **heads.config(), "dtype": str(heads.dtype).removeprefix("torch.")}}
+            "heads": {**manifest.get("heads", {}), **heads.config(), "dtype": str(heads.dtype).removeprefix("torch."),
+                      "storage": storage}}
     (directory / MANIFEST_FILE).write_text(json.dumps(full, indent=2) + "\n")
     return directory
 
@@ -165,7 +169,7 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
     if not weights.exists():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     heads = build_heads(manifest["heads"])
-    heads.load_state_dict(load_file(str(weights)))
+    heads.load_state_dict(read_state(weights))
     # Tuning profiles record which heads they measured; this is how they are matched.
     heads.source_sha256 = hashlib.sha256(weights.read_bytes()).hexdigest()
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -179,7 +179,7 @@ def test_save_load_round_trip(tmp_path: Path):
     torch.testing.assert_close(loaded(x), heads(x), rtol=0, atol=0)
     manifest = read_manifest(tmp_path / "h")
     assert manifest["heads"] == {"kind": "medusa", "num_heads": 3, "num_layers": 2, "hidden_size": 32,
-                                 "dtype": "float32"}
+                                 "dtype": "float32", "storage": "float"}
     assert manifest["eval"] == {"x": 1}
     half = load_heads(tmp_path / "h" / "heads.safetensors", base_sha256=SHA, dtype=torch.float16)
     assert half.dtype == torch.float16

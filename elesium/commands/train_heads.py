@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL (prompt / MT-Bench turns) to score the finished heads on")
     p.add_argument("--eval-max-tokens", type=int, default=256)
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    p.add_argument("--storage", choices=["float", "int8", "int4", "mixed"], default="float",
+                   help="weight matrices on disk: float (--save-dtype), int8 (per row), int4 (per 32 inputs) or "
+                   "mixed (int8 for Hydra's skip matrices, int4 for the rest); the final evaluation scores the "
+                   "weights as stored")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         num_layers=args.num_layers, kind=args.kind, conditioning=args.conditioning, loss=args.loss, decay=args.decay, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
         seed=args.seed, resume=args.resume, time_budget_s=args.time_budget, eval_prompts=args.eval_prompts,
-        eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype,
+        eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, storage=args.storage,
         command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
     engine = load_engine(args)
     train(cfg, engine, log=lambda msg: print(msg, file=sys.stderr, flush=True))
