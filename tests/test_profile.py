@@ -26,3 +26,17 @@ def test_profile_for_other_heads_is_not_used(tmp_path: Path):
     profile("").save(path)  # profiles from before heads were recorded match any heads
     loaded = find_profile(tmp_path, SHA, dev, dt, "g" * 64)
     assert loaded is not None and loaded.heads_sha256 == "" and loaded.policy().max_tree_size == 64
+
+
+def test_shipped_profiles_were_tuned_with_the_shipped_heads():
+    """New heads need `elesium tune` on each profiled machine; a stale profile would silently be skipped."""
+    import hashlib
+
+    from elesium.inference.heads import WEIGHTS_FILE, default_heads_dir
+    from elesium.inference.profile import SHIPPED
+
+    heads_sha = hashlib.sha256((default_heads_dir() / WEIGHTS_FILE).read_bytes()).hexdigest()
+    shipped = sorted(SHIPPED.glob("*.json"))
+    assert shipped, f"no shipped profiles in {SHIPPED}"
+    for path in shipped:
+        assert TuneProfile.load(path).heads_sha256 == heads_sha, f"{path.name} was tuned with other heads"
