@@ -121,8 +121,8 @@ def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, A
                storage: Scheme = "float") -> Path:
     """Write ``heads.safetensors`` and ``manifest.json`` to ``directory``.
 
-    ``storage`` is ``float`` (the heads' current dtype), or ``int8`` / ``int4`` weight matrices with
-    the biases in the heads' dtype (``head_storage`` says why and how). ``manifest`` must carry
+    ``storage`` is ``float`` (the heads' current dtype), or ``int8`` / ``int4`` / ``mixed`` weight
+    matrices with the biases in the heads' dtype (``head_storage`` says why and how). ``manifest`` must carry
     ``base_model.sha256``; the head config, storage and format tag are filled in here so they can
     never disagree with the weights.
     """

@@ -6,7 +6,7 @@ layer that attends over every earlier feature. This trains that head-1 predictor
 self-distillation data and KL objective as our heads, then scores it and the shipped heads' head 1
 on the same greedy MT-Bench continuations, so the next design step rests on a measurement.
 
-    python3 -P scripts/probe_eagle_head1.py DISTILL.jsonl.gz MT_BENCH.jsonl OUT.json [--seconds 240]
+    python3 -P scripts/probe_eagle_head1.py DISTILL.jsonl.gz MT_BENCH.jsonl OUT.json [--seconds 200]
 
 Needs CUDA and ``$ELESIUM_MODEL``. DISTILL is written first (as train-heads would) if it does not exist.
 """
