@@ -41,6 +41,7 @@ class TrainConfig:
     out: Path = Path("heads-out")
     data: Path | None = None          # distillation JSONL; None: generate it (and save to out/)
     prompts: int = 3000               # prompts to generate when data is None
+    distill_only: bool = False        # stop after writing out/distill.jsonl.gz
     max_new_tokens: int = 256
     temperatures: tuple[float, ...] = (0.0, 0.7)
     gen_batch: int = 64
@@ -217,9 +218,15 @@ def hardware() -> dict[str, str]:
 
 
 def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
-    """Run the whole recipe; return the manifest written next to the heads in ``cfg.out``."""
+    """Run the whole recipe; return the manifest written next to the heads in ``cfg.out``.
+
+    With ``cfg.distill_only`` stop once the data file exists and return ``{"data": path}``: the data
+    is reused by the next run on the same ``out``, so a long recipe can be split across calls.
+    """
     from tqdm import tqdm
 
+    if cfg.distill_only and cfg.data is not None:
+        raise ValueError("--distill-only writes OUT/distill.jsonl.gz; with --data there is nothing to distil")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -239,6 +246,8 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
                               progress=bar.update)
         write_jsonl(data_path, records)
         log(f"distilled in {time.monotonic() - t0:.0f}s -> {data_path}")
+    if cfg.distill_only:
+        return {"data": str(data_path)}
     records = list(read_jsonl(data_path))
     foreign = {r.get("model_sha256") for r in records} - {sha}
     if foreign:

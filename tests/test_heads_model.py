@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,23 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     assert err.startswith("elesium: error:") and "0" * 64 in err and engine.weights_info.sha256 in err
     assert main(["eval-heads", "--prompts", str(tmp_path / "none.jsonl")]) == 1
     assert "not found" in capsys.readouterr().err
+
+
+def test_distill_only_writes_the_data_that_the_same_command_then_trains_on(engine, tmp_path: Path):
+    from elesium.inference.distill import read_jsonl
+    from elesium.inference.head_training import TrainConfig, train
+
+    quiet = lambda _msg: None  # noqa: E731
+    cfg = TrainConfig(out=tmp_path / "h", prompts=2, max_new_tokens=3, gen_batch=4, distill_only=True)
+    assert train(cfg, engine, log=quiet) == {"data": str(tmp_path / "h" / "distill.jsonl.gz")}
+    records = list(read_jsonl(tmp_path / "h" / "distill.jsonl.gz"))
+    assert len(records) == 4 and {r["sampling"]["temperature"] for r in records} == {0.0, 0.7}
+    assert not (tmp_path / "h" / "heads.safetensors").exists()
+    before = (tmp_path / "h" / "distill.jsonl.gz").read_bytes()
+    again = replace(cfg, distill_only=False, steps=1, batch_size=8, num_heads=2, save_dtype="float32")
+    manifest = train(again, engine, log=quiet)
+    assert manifest["training"]["data"]["sequences"] == 4 and manifest["training"]["steps"] == 1
+    assert (tmp_path / "h" / "distill.jsonl.gz").read_bytes() == before  # reused, not regenerated
+    with pytest.raises(ValueError, match="nothing to distil"):
+        train(TrainConfig(out=tmp_path / "x", data=tmp_path / "h" / "distill.jsonl.gz", distill_only=True),
+              engine, log=quiet)

@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", type=Path, default=None,
                    help="distillation JSONL(.gz) from an earlier run (default: generate, save to OUT/distill.jsonl.gz)")
     p.add_argument("--prompts", type=int, default=3000, help="prompts to generate when --data is not given")
+    p.add_argument("--distill-only", action="store_true",
+                   help="stop once OUT/distill.jsonl.gz is written; the same command without this flag then "
+                   "trains on it (lets a time-limited machine split the recipe)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap while distilling")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
                    help="one answer per prompt at each temperature (0 = greedy)")
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr, warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
         seed=args.seed, resume=args.resume, time_budget_s=args.time_budget, eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, storage=args.storage,
+        distill_only=args.distill_only,
         command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
     engine = load_engine(args)
     train(cfg, engine, log=lambda msg: print(msg, file=sys.stderr, flush=True))
