@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The shipped heads' recipe on the H200, in two calls because of the device tool's 10-minute limit per
+# call. Both calls run the same `train-heads` command: the first with --distill-only (the answers land in
+# $W/distill.jsonl.gz), the second finds that file, trains, scores the heads as stored on MT-Bench
+# turn 1, and writes heads.safetensors + manifest.json. Without the limit, the one command does both.
+#   bash scripts/device_train_shipped.sh distill|train
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+W=${WORK:-/root/shipped}
+export ELESIUM_CACHE_DIR=/root/cache_shipped ELESIUM_TREE_ATTENTION=reference
+CMD="train-heads --device cuda --kind hydra --conditioning chain --loss kl --prompts ${PROMPTS:-8000} --gen-batch 512 --batch-size 4096 --eval-every 1000 --ckpt-every 1000 --storage mixed --steps ${STEPS:-5000} --eval-prompts $P --out $W"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+case "$1" in
+  distill) $E $CMD --distill-only 2>&1 | grep -v "it/s\]" | tail -6 | tee "$OUT/distill.log"
+           ls -la "$W" | tee -a "$OUT/distill.log" ;;
+  train)   $E $CMD 2>&1 | grep -v "it/s\]" | tail -12 | tee "$OUT/train.log"
+           tar czf "$OUT/heads.tgz" -C "$W" heads.safetensors manifest.json ;;
+  *) echo "usage: $0 distill|train" >&2; exit 2 ;;
+esac
