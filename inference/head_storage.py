@@ -1,7 +1,7 @@
 """Compact on-disk storage for trained heads: per-row int8 and group-wise int4 weights.
 
-Why: the Hydra ``chain`` heads are eight 576 x 1152 matrices, 10.6 MB in fp16, and tracked files must
-stay under 5 MiB. The matrices are not low-rank (90% of their energy needs 200-300 of 576 singular
+Why: the shipped Hydra ``chain`` heads (4 heads of 2 blocks: eight 576 x 1152 and four 576 x 576
+matrices) are 13.3 MB in fp16, and tracked files must stay under 5 MiB. The matrices are not low-rank (90% of their energy needs 200-300 of 576 singular
 values), so we quantise instead. Weights are dequantised once at load time, to the dtype the engine
 runs in, so nothing downstream (CUDA graphs, the Triton kernels, drafting) changes or pays for it.
 
@@ -11,9 +11,9 @@ Schemes (symmetric, round-to-nearest; scales are fp16):
 * ``int4``: one scale per group of 32 consecutive inputs of a row (16 or 8 where 32 does not divide
   the row), ``s = max|w_group| / 7``; two values per byte (low nibble first), stored as ``q + 8``.
 * ``mixed``: int8 for Hydra's skip matrices ``R`` and int4 for everything else. ``R`` carries ``h_t``
-  straight to ``lm_head``, and is where int4 hurts: on MT-Bench, int4 everywhere cost head 1 1.1
-  points of top-1, int4 only on ``W`` 0.3 (HEADS.md has the table). int8 everywhere was lossless but,
-  at 5.3 MB, still over the limit.
+  straight to ``lm_head``, and is where int4 hurts: on MT-Bench (1-block heads), int4 everywhere cost
+  head 1 1.1 points of top-1, int4 only on ``W`` 0.3 (HEADS.md has the table). int8 everywhere was
+  lossless but, at 5.3 MB for those smaller heads, already over the limit.
 
 Only 2-D weights are quantised; biases and anything else stay in the float dtype. A file records
 its per-tensor schemes in the safetensors metadata, so a loader never has to guess.

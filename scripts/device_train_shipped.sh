@@ -8,7 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 W=${WORK:-/root/shipped}
 export ELESIUM_CACHE_DIR=/root/cache_shipped ELESIUM_TREE_ATTENTION=reference
-CMD="train-heads --device cuda --kind hydra --conditioning chain --loss kl --prompts ${PROMPTS:-8000} --gen-batch 512 --batch-size 4096 --eval-every 1000 --ckpt-every 1000 --storage mixed --steps ${STEPS:-5000} --eval-prompts $P --out $W"
+CMD="train-heads --device cuda --kind hydra --conditioning chain --loss kl --prompts ${PROMPTS:-8000} --gen-batch 512 --batch-size 4096 --eval-every 1000 --ckpt-every 1000 --storage mixed --steps ${STEPS:-5000} --eval-prompts $P --out $W ${EXTRA:-}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$1" in
   distill) $E $CMD --distill-only 2>&1 | grep -v "it/s\]" | tail -6 | tee "$OUT/distill.log"
