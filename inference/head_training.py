@@ -36,7 +36,11 @@ Log = Callable[[str], None]
 
 @dataclass
 class TrainConfig:
-    """Plain values, nanoGPT style; every field is a ``train-heads`` flag."""
+    """Plain values, nanoGPT style; every field is a ``train-heads`` flag.
+
+    These defaults are a small, fast Medusa recipe for library use and tests; the CLI's defaults are
+    the shipped heads' recipe (``elesium/commands/train_heads.py``).
+    """
 
     out: Path = Path("heads-out")
     data: Path | None = None          # distillation JSONL; None: generate it (and save to out/)

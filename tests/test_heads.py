@@ -215,7 +215,7 @@ def test_prompt_set_is_deterministic_diverse_and_not_mt_bench():
     a, b = build_prompts(400, seed=3), build_prompts(400, seed=3)
     assert a == b and a != build_prompts(400, seed=4)
     assert len({p["prompt"] for p in a}) == 400
-    assert len({p["task"] for p in a}) >= 12 and len({p["domain"] for p in a}) >= 10
+    assert len({p["task"] for p in a}) >= 30 and len({p["domain"] for p in a}) >= 10  # enterprise + general tasks
     mt_bench = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
     if mt_bench.exists():
         turns = {t for line in mt_bench.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]}
@@ -232,3 +232,20 @@ def test_jsonl_io_and_eval_prompt_formats(tmp_path: Path):
         read_eval_prompts(bad)
     with pytest.raises(FileNotFoundError):
         read_eval_prompts(tmp_path / "nope.jsonl")
+
+
+def test_train_heads_defaults_are_the_shipped_recipe():
+    """`elesium train-heads` with no flags must train what we ship, so the one command reproduces it."""
+    from elesium.cli import build_parser
+
+    args = build_parser().parse_args(["train-heads"])
+    manifest = read_manifest(default_heads_dir())
+    heads, training = manifest["heads"], manifest["training"]
+    assert (args.kind, args.conditioning, args.num_heads, args.num_layers, args.storage) == (
+        heads["kind"], heads["conditioning"], heads["num_heads"], heads["num_layers"], heads["storage"])
+    assert (args.loss, args.decay, args.steps, args.batch_size, args.lr, args.warmup, args.seed) == (
+        training["loss"], training["decay"], training["steps"], training["batch_size"], training["lr"],
+        training["warmup"], training["seed"])
+    assert args.prompts == training["data"]["prompts"]
+    assert sorted(args.temperatures) == training["data"]["temperatures"]
+    assert args.max_new_tokens == training["data"]["max_new_tokens"]

@@ -1,4 +1,9 @@
-"""``elesium train-heads``: self-distil the base model, train Medusa heads, write heads + manifest."""
+"""``elesium train-heads``: self-distil the base model, train draft heads, write heads + manifest.
+
+The defaults are the recipe of the shipped heads (Hydra, chain, 2 blocks, 8,000 prompts, 5,000 steps,
+stored ``mixed``), so that ``elesium train-heads --device cuda`` reproduces them; a test holds the
+defaults to the shipped manifest.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,14 @@ from elesium.commands.common import add_model_args, load_engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-heads", help="train Medusa heads for the loaded model (self-distillation)",
+    p = sub.add_parser("train-heads", help="train draft heads for the loaded model (self-distillation)",
                        description="Generate self-distillation data (or read --data), cache the base model's "
-                       "hidden states, train the heads and write heads.safetensors + manifest.json to --out.")
+                       "hidden states, train the heads and write heads.safetensors + manifest.json to --out. "
+                       "The defaults are the shipped heads' recipe (HEADS.md).")
     p.add_argument("--out", type=Path, default=Path("heads-out"), help="output directory (default: heads-out)")
     p.add_argument("--data", type=Path, default=None,
                    help="distillation JSONL(.gz) from an earlier run (default: generate, save to OUT/distill.jsonl.gz)")
-    p.add_argument("--prompts", type=int, default=3000, help="prompts to generate when --data is not given")
+    p.add_argument("--prompts", type=int, default=8000, help="prompts to generate when --data is not given")
     p.add_argument("--distill-only", action="store_true",
                    help="stop once OUT/distill.jsonl.gz is written; the same command without this flag then "
                    "trains on it (lets a time-limited machine split the recipe)")
@@ -26,16 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one answer per prompt at each temperature (0 = greedy)")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences per batched forward")
     p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--kind", choices=["medusa", "hydra"], default="medusa",
+    p.add_argument("--num-layers", type=int, default=2, help="residual blocks per head")
+    p.add_argument("--kind", choices=["medusa", "hydra"], default="hydra",
                    help="hydra: heads that also read the embeddings of the tokens drafted before them")
-    p.add_argument("--conditioning", choices=["concat", "chain"], default="concat",
+    p.add_argument("--conditioning", choices=["concat", "chain"], default="chain",
                    help="hydra only: concat (Hydra's: every earlier embedding) or chain (the previous head's output)")
     p.add_argument("--loss", choices=["kl", "ce"], default="kl",
                    help="kl: to the base model's distribution; ce: to the token in the data")
     p.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is DECAY**k")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=2048, help="positions per optimiser step")
+    p.add_argument("--steps", type=int, default=5000)
+    p.add_argument("--batch-size", type=int, default=4096, help="positions per optimiser step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=250)
@@ -47,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL (prompt / MT-Bench turns) to score the finished heads on")
     p.add_argument("--eval-max-tokens", type=int, default=256)
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
-    p.add_argument("--storage", choices=["float", "int8", "int4", "mixed"], default="float",
+    p.add_argument("--storage", choices=["float", "int8", "int4", "mixed"], default="mixed",
                    help="weight matrices on disk: float (--save-dtype), int8 (per row), int4 (per 32 inputs) or "
                    "mixed (int8 for Hydra's skip matrices, int4 for the rest); the final evaluation scores the "
                    "weights as stored")
