@@ -1,9 +1,10 @@
 """Compact on-disk storage for trained heads: per-row int8 and group-wise int4 weights.
 
 Why: the shipped Hydra ``chain`` heads (4 heads of 2 blocks: eight 576 x 1152 and four 576 x 576
-matrices) are 13.3 MB in fp16, and tracked files must stay under 5 MiB. The matrices are not low-rank (90% of their energy needs 200-300 of 576 singular
-values), so we quantise instead. Weights are dequantised once at load time, to the dtype the engine
-runs in, so nothing downstream (CUDA graphs, the Triton kernels, drafting) changes or pays for it.
+matrices) are 13.3 MB in fp16, and tracked files must stay under 5 MiB. The matrices are not low-rank
+(90% of their energy needs 200-300 of 576 singular values), so we quantise instead. Weights are
+dequantised once at load time, to the dtype the engine runs in, so nothing downstream (CUDA graphs,
+the Triton kernels, drafting) changes or pays for it.
 
 Schemes (symmetric, round-to-nearest; scales are fp16):
 
