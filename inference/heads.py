@@ -122,9 +122,9 @@ def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, A
     """Write ``heads.safetensors`` and ``manifest.json`` to ``directory``.
 
     ``storage`` is ``float`` (the heads' current dtype), or ``int8`` / ``int4`` / ``mixed`` weight
-    matrices with the biases in the heads' dtype (``head_storage`` says why and how). ``manifest`` must carry
-    ``base_model.sha256``; the head config, storage and format tag are filled in here so they can
-    never disagree with the weights.
+    matrices with the biases in the heads' dtype (``head_storage`` says why and how). ``manifest``
+    must carry ``base_model.sha256``; the head config, storage and format tag are filled in here so
+    they can never disagree with the weights.
     """
     directory = Path(directory)
     sha = (manifest.get("base_model") or {}).get("sha256")

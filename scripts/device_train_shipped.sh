@@ -3,12 +3,15 @@
 # call. Both calls run the same `train-heads` command: the first with --distill-only (the answers land in
 # $W/distill.jsonl.gz), the second finds that file, trains, scores the heads as stored on MT-Bench
 # turn 1, and writes heads.safetensors + manifest.json. Without the limit, the one command does both.
+# (The 2026-11-30 runs spelled the recipe's flags out, before they became the defaults; the manifest
+# records that literal command, which is equivalent to this one.)
 #   bash scripts/device_train_shipped.sh distill|train
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 W=${WORK:-/root/shipped}
 export ELESIUM_CACHE_DIR=/root/cache_shipped ELESIUM_TREE_ATTENTION=reference
-CMD="train-heads --device cuda --kind hydra --conditioning chain --loss kl --prompts ${PROMPTS:-8000} --gen-batch 512 --batch-size 4096 --eval-every 1000 --ckpt-every 1000 --storage mixed --steps ${STEPS:-5000} --eval-prompts $P --out $W ${EXTRA:-}"
+# train-heads' defaults are the shipped recipe; EXTRA varies it (EXTRA="--num-layers 1" was the 1-block run).
+CMD="train-heads --device cuda --gen-batch 512 --eval-every 1000 --ckpt-every 1000 --eval-prompts $P --out $W ${EXTRA:-}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$1" in
   distill) $E $CMD --distill-only 2>&1 | grep -v "it/s\]" | tail -6 | tee "$OUT/distill.log"
