@@ -40,6 +40,7 @@ from elesium.inference.head_storage import Scheme, read_state, write_state
 MANIFEST_FORMAT = "elesium-medusa-heads/1"
 WEIGHTS_FILE = "heads.safetensors"
 MANIFEST_FILE = "manifest.json"
+DRAFTER_FILE = "drafter.safetensors"  # feature_drafter.py's weights, beside the heads'
 
 
 class HeadsMismatchError(ValueError):
@@ -131,10 +132,19 @@ def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, A
     if not sha:
         raise ValueError("the manifest needs base_model.sha256 (the base model the heads were trained on)")
     directory.mkdir(parents=True, exist_ok=True)
-    write_state(directory / WEIGHTS_FILE, heads.state_dict(), storage, heads.dtype, {"format": MANIFEST_FORMAT})
-    full = {"format": MANIFEST_FORMAT, **manifest,
-            "heads": {**manifest.get("heads", {}), **heads.config(), "dtype": str(heads.dtype).removeprefix("torch."),
-                      "storage": storage}}
+    drafter = getattr(heads, "drafter", None)
+    own = {k: v for k, v in heads.state_dict().items() if not k.startswith("drafter.")}
+    write_state(directory / WEIGHTS_FILE, own, storage, heads.dtype, {"format": MANIFEST_FORMAT})
+    block: dict[str, Any] = {**manifest.get("heads", {}), **heads.config(),
+                             "dtype": str(heads.dtype).removeprefix("torch."), "storage": storage}
+    block.pop("drafter", None)
+    stale = directory / DRAFTER_FILE
+    if drafter is not None:
+        write_state(stale, drafter.state_dict(), storage, heads.dtype, {"format": MANIFEST_FORMAT})
+        block["drafter"] = {**drafter.config(), "file": DRAFTER_FILE, "storage": storage}
+    elif stale.exists():
+        stale.unlink()  # a drafter from an earlier run in this directory no longer belongs to these heads
+    full = {"format": MANIFEST_FORMAT, **manifest, "heads": block}
     (directory / MANIFEST_FILE).write_text(json.dumps(full, indent=2) + "\n")
     return directory
 
@@ -168,10 +178,24 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
     weights = directory / WEIGHTS_FILE
     if not weights.exists():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
+    drafter_cfg = manifest["heads"].get("drafter")
+    if drafter_cfg is not None and manifest["heads"].get("kind") != "hydra":
+        raise ValueError(f"{directory}: the manifest names a drafter, which is only supported with hydra heads")
     heads = build_heads(manifest["heads"])
     heads.load_state_dict(read_state(weights))
-    # Tuning profiles record which heads they measured; this is how they are matched.
-    heads.source_sha256 = hashlib.sha256(weights.read_bytes()).hexdigest()
+    digest = hashlib.sha256(weights.read_bytes())
+    if drafter_cfg is not None:
+        from elesium.inference.feature_drafter import FeatureDrafter
+
+        drafter_file = directory / drafter_cfg.get("file", DRAFTER_FILE)
+        if not drafter_file.exists():
+            raise FileNotFoundError(f"the manifest in {directory} names a drafter, but {drafter_file.name} is missing")
+        drafter = FeatureDrafter.from_config(drafter_cfg)
+        drafter.load_state_dict(read_state(drafter_file))
+        heads.drafter = drafter
+        digest.update(drafter_file.read_bytes())
+    # Tuning profiles record which heads they measured (drafter included); this is how they are matched.
+    heads.source_sha256 = digest.hexdigest()
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

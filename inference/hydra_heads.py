@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elesium.inference.feature_drafter import FeatureDrafter
 from elesium.inference.heads import MedusaHeads, ResBlock
 
 Conditioning = Literal["concat", "chain"]
@@ -76,6 +77,8 @@ class HydraHeads(nn.Module):
         self.heads = nn.ModuleList(
             nn.Sequential(ConditionedBlock(w, hidden_size), *[ResBlock(hidden_size) for _ in range(num_layers - 1)])
             for w in widths)
+        # Optional attention drafter for level 1 (``feature_drafter.py``); stored in its own file.
+        self.drafter: FeatureDrafter | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,7 +106,7 @@ class HydraHeads(nn.Module):
         return torch.stack(outs).to(hidden.dtype)
 
     def expand(self, model: nn.Module, hidden: torch.Tensor, token: torch.Tensor, width: int,
-               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               topk: int, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a candidate tree level by level, keeping the ``width`` best paths at each level.
 
         Static shapes and no host syncs, so a CUDA graph can capture it. ``hidden`` is ``h_t`` ``[H]``,
@@ -112,6 +115,10 @@ class HydraHeads(nn.Module):
         over levels (level 0 has 1 row, the others ``width``); a row's parent is the flat index
         ``row * topk + rank`` of the candidate it extends in the previous level (-1 for level 0).
         The expansion keeps the paths with the highest total log-probability (EAGLE-2's rule).
+
+        ``first`` (``[1, H]``, the drafter's feature for this position) replaces head 1's output as
+        the source of level 0's candidates; head 1 still runs, because its output is the state that
+        head 2 was trained to read.
         """
         state = hidden.reshape(1, -1).to(self.dtype)
         tok = token.reshape(1)
@@ -120,7 +127,8 @@ class HydraHeads(nn.Module):
         all_tokens, all_logprobs, all_parents = [], [], []
         for k in range(self.num_heads):
             out, state = self.advance(k, state, model.embed(tok))  # type: ignore[operator]
-            logp = torch.log_softmax(model.logits(out.to(hidden.dtype)), dim=-1)  # type: ignore[operator]
+            scored = first if k == 0 and first is not None else out
+            logp = torch.log_softmax(model.logits(scored.to(hidden.dtype)), dim=-1)  # type: ignore[operator]
             top = torch.topk(logp, topk, dim=-1)
             all_tokens.append(top.indices)
             all_logprobs.append(top.values)
