@@ -45,20 +45,72 @@ def draft_topk(model: Transformer, heads: nn.Module, hidden: torch.Tensor, k: in
     return top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
+def draft_tree(model: Transformer, heads: nn.Module, rows: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor,
+               last: torch.Tensor, width: int, topk: int,
+               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
+
+    ``rows`` ``[R, H]`` are the hidden states of the positions written since the drafter last ran
+    (the accepted nodes, at slots ``start...``), ``tokens`` ``[R]`` the token that followed each; row
+    ``last`` (a ``[1]`` index tensor) is ``h_t`` and its token the chosen ``x_{t+1}``. Rows past
+    ``last`` are padding (the CUDA graph runs a fixed R): they write drafter slots that the next
+    call overwrites, and causal attention keeps them out of the real rows. With an ``int`` start
+    this runs eagerly over the live slots; with a 0-d tensor it is static for capture.
+    """
+    drafter = getattr(heads, "drafter", None)
+    first = None
+    if drafter is not None:
+        if drafter_cache is None:
+            raise ValueError("these heads carry a drafter, but no drafter cache was given")
+        r = rows.shape[0]
+        # Clamp only matters for padding rows at the very end of the context.
+        positions = (start + torch.arange(r, device=rows.device)).clamp(max=model.rope_cos.shape[0] - 1)
+        feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
+        first = feats.index_select(0, last)
+    hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
+    return heads.expand(model, hidden, token, width, topk, first)  # type: ignore[operator]
+
+
 class ForwardRunner:
-    """Eager forwards over one KV cache (batch 1)."""
+    """Eager forwards over one KV cache (batch 1), plus the heads' drafter cache when they carry one."""
 
     def __init__(self, model: Transformer, cache: KVCache, heads: nn.Module | None = None) -> None:
         self.model = model
         self.cache = cache
-        self.heads = heads
+        self.heads: nn.Module | None = None
+        self.drafter_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        ForwardRunner.set_heads(self, heads)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def draft_rows(self) -> int:
+        """Most rows one drafting call takes: a step accepts at most one node per level plus the root."""
+        return 1 if self.heads is None else self.heads.num_heads + 1  # type: ignore[operator]
+
     def set_heads(self, heads: nn.Module | None) -> None:
         self.heads = heads
+        drafter = getattr(heads, "drafter", None)
+        # Slack past the context for the graph runner's padding rows.
+        self.drafter_cache = None if drafter is None else drafter.new_cache(
+            self.cache.max_len + self.draft_rows, self.device, drafter.dtype)
+
+    def prefill_drafter(self, heads: nn.Module, hidden: torch.Tensor, next_tokens: list[int], start: int = 0) -> None:
+        """Write prompt rows into the drafter cache: ``hidden[i]`` (slot ``start + i``) paired with
+        ``next_tokens[i]``, the token after it. A no-op for heads without a drafter."""
+        drafter = getattr(heads, "drafter", None)
+        if drafter is None or not next_tokens:
+            return
+        if heads is not self.heads or self.drafter_cache is None:
+            raise ValueError("the drafter's cache belongs to the runner's own heads")
+        tokens = torch.tensor(next_tokens, device=self.device)
+        for lo in range(0, len(next_tokens), PREFILL_CHUNK):
+            hi = min(lo + PREFILL_CHUNK, len(next_tokens))
+            positions = torch.arange(start + lo, start + hi, device=self.device)
+            drafter(self.model, hidden[None, lo:hi], tokens[None, lo:hi], positions, *self.drafter_cache,
+                    start + lo, self.model.causal(hi - lo))
 
     @property
     def fuses_drafts(self) -> bool:
@@ -66,10 +118,16 @@ class ForwardRunner:
         heads need the bonus token, which is chosen after the step)."""
         return self.heads is not None and not getattr(self.heads, "conditioned", False)
 
-    def expand(self, heads: nn.Module, hidden: torch.Tensor, token: int, width: int,
+    def expand(self, heads: nn.Module, rows: torch.Tensor, tokens: list[int], start: int, width: int,
                topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hydra heads' candidate tree from ``h_t`` and the chosen next token (``HydraHeads.expand``)."""
-        return heads.expand(self.model, hidden, torch.tensor([token], device=self.device), width, topk)  # type: ignore[operator]
+        """Hydra heads' candidate tree (``draft_tree``): ``rows`` ``[R, H]`` are the positions written
+        since the last call, from slot ``start``; ``tokens`` the token after each, the last being the
+        chosen ``x_{t+1}``."""
+        if getattr(heads, "drafter", None) is not None and heads is not self.heads:
+            raise ValueError("the drafter's cache belongs to the runner's own heads")
+        dev = self.device
+        return draft_tree(self.model, heads, rows, torch.tensor(tokens, device=dev), start,
+                          torch.tensor([len(tokens) - 1], device=dev), width, topk, self.drafter_cache)
 
     def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
         """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
@@ -140,33 +198,44 @@ class CudaGraphRunner(ForwardRunner):
 
     def set_heads(self, heads: nn.Module | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
-        self.heads = heads
+        super().set_heads(heads)
         self._graphs.clear()
         self._expanders.clear()
 
     @torch.inference_mode()
-    def expand(self, heads: nn.Module, hidden: torch.Tensor, token: int, width: int,
+    def expand(self, heads: nn.Module, rows: torch.Tensor, tokens: list[int], start: int, width: int,
                topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Replay the drafting graph for (width, topk): K levels of small launches become one replay.
+        """Replay the drafting graph for (width, topk): the drafter and K levels become one replay.
 
-        The graph only reads its two input buffers, so (unlike the step graphs) capturing it on
-        placeholder inputs is harmless. Heads other than the runner's own run eagerly.
+        The graph runs ``draft_rows`` rows, the real ones first. Like the step graphs it is captured
+        on the call's real inputs, because warm-up really writes the drafter's cache. Heads other
+        than the runner's own run eagerly.
         """
-        if heads is not self.heads:
-            return super().expand(heads, hidden, token, width, topk)
+        r_max, n = self.draft_rows, len(tokens)
+        if heads is not self.heads or n > r_max:
+            return super().expand(heads, rows, tokens, start, width, topk)
         key = (width, topk)
-        if key not in self._expanders:
-            io = {"hidden": hidden.detach().clone(),
-                  "token": torch.zeros(1, dtype=torch.long, device=self.device)}
+        captured = self._expanders.get(key)
+        io = captured[1] if captured else {
+            "rows": torch.zeros(r_max, rows.shape[-1], dtype=rows.dtype, device=self.device),
+            "staging": torch.zeros(r_max + 2, dtype=torch.long).pin_memory(),
+            "ints": torch.zeros(r_max + 2, dtype=torch.long, device=self.device)}
+        io["rows"][:n].copy_(rows)
+        staging = io["staging"]  # tokens | start | last; safe to reuse: the last results were read back
+        staging.zero_()
+        staging[:n] = torch.tensor(tokens)
+        staging[r_max], staging[r_max + 1] = start, n - 1
+        io["ints"].copy_(staging, non_blocking=True)
+        if captured is None:
+            ints = io["ints"]
 
             def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                return self.heads.expand(self.model, io["hidden"], io["token"], width, topk)  # type: ignore[union-attr]
+                return draft_tree(self.model, self.heads, io["rows"], ints[:r_max], ints[r_max],  # type: ignore[arg-type]
+                                  ints[r_max + 1:], width, topk, self.drafter_cache)
 
             graph, outs = self._record(body)
-            self._expanders[key] = (graph, io, outs)
-        graph, io, outs = self._expanders[key]
-        io["hidden"].copy_(hidden)
-        io["token"].fill_(token)
+            captured = self._expanders[key] = (graph, io, outs)
+        graph, _, outs = captured
         graph.replay()
         return outs
 

@@ -5,7 +5,8 @@ h of the last cached position:
 
 1. The heads read h and propose top-k tokens for positions +2, +3, ... past the cache: Medusa heads
    one list per depth (computed inside the previous step), Hydra heads a list per drafted path,
-   expanded level by level from h and t0 (``HydraHeads.expand``).
+   expanded level by level from h and t0 (``HydraHeads.expand``). A Hydra drafter
+   (``feature_drafter.py``) first reads the positions the last step accepted and proposes level 1.
 2. The policy picks a tree of rank paths; node 0 is t0, every other node holds its path's draft.
 3. One forward writes every node into the cache at slots ``offset + node`` with position
    ``offset + depth``, each attending to the prefix and its own ancestors.
@@ -45,6 +46,10 @@ class MedusaDecoder:
         self.offset = 0
         self.pending = -1
         self.hidden: torch.Tensor | None = None
+        # Positions written since drafting last ran (Hydra): hidden states, the token after each, first slot.
+        self.rows: torch.Tensor | None = None
+        self.row_tokens: list[int] = []
+        self.row_start = 0
         self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
         self.steps = 0
 
@@ -53,6 +58,11 @@ class MedusaDecoder:
         self.offset = len(prompt_ids)
         self.hidden = hidden[-1]
         self.pending = self.sampler.pick(self.model.logits(self.hidden), self.params)
+        if getattr(self.heads, "conditioned", False):
+            # Every prompt position but the last goes into the drafter now; the last pairs with the
+            # pending token and opens the first step's drafting.
+            self.runner.prefill_drafter(self.heads, hidden[:-1], prompt_ids[1:])
+            self.rows, self.row_tokens, self.row_start = hidden[-1:], [self.pending], self.offset - 1
         return self.pending
 
     def draft(self) -> DraftSet:
@@ -71,9 +81,11 @@ class MedusaDecoder:
         return FactoredDrafts(tokens[:, :k].tolist(), (logprobs[:, :k] / temperature).tolist())
 
     def _expand(self, k: int, temperature: float) -> ExpandedDrafts:
-        """Hydra: one drafting pass from (h, t0), read back in one copy per output."""
+        """Hydra: one drafting pass from (h, t0), after the drafter (if any) reads the last step's
+        accepted positions; read back in one copy per output."""
         width = self.policy.expand_width
-        tokens, logprobs, parents = self.runner.expand(self.heads, self.hidden, self.pending, width, k)
+        tokens, logprobs, parents = self.runner.expand(self.heads, self.rows, self.row_tokens, self.row_start,
+                                                       width, k)
         return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(), width,
                                              temperature)
 
@@ -95,13 +107,19 @@ class MedusaDecoder:
             src = torch.tensor([self.offset + n for n in path], device=dev)
             dst = torch.arange(self.offset, self.offset + len(path), device=dev)
             self.runner.cache.move(src, dst)
-        self.offset += len(path)
+        committed = [node_tokens[n] for n in path[1:]] + [verdict.bonus]
         last = path[-1]
-        self.hidden = out.hidden[last].clone()  # the runner's buffers are reused next step
+        if getattr(self.heads, "conditioned", False):
+            # Accepted node i is followed by committed[i]: its child on the path, or the bonus.
+            self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))  # a copy: buffers are reused
+            self.row_tokens, self.row_start = committed, self.offset
+            self.hidden = self.rows[-1]
+        else:
+            self.hidden = out.hidden[last].clone()  # the runner's buffers are reused next step
+        self.offset += len(path)
         self.drafts = None if out.draft_tokens is None else (
             out.draft_tokens[last].cpu(), out.draft_logprobs[last].float().cpu())
         self.pending = verdict.bonus
-        committed = [node_tokens[n] for n in path[1:]] + [verdict.bonus]
         accepted_depth = len(path) - 1
         record = StepRecord(
             step=self.steps, mode=self.mode, tree_size=tree.size, tree_depth=tree.depth,

@@ -6,6 +6,7 @@
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,23 +29,28 @@ def margin(engine: Engine, prompt: str, tokens: tuple[int, ...], k: int) -> floa
     return float(top[0] - top[1])
 
 
-for dtype in ("bfloat16", "float32"):
+for dtype in os.environ.get("SMOKE_DTYPES", "bfloat16 float32").split():
     start = time.time()
     graphs = Engine.load(device="cuda", dtype=dtype)
     eager = Engine.load(device="cuda", dtype=dtype, cuda_graphs=False)
     print(f"[{dtype}] loaded in {time.time() - start:.1f}s; heads: {graphs.heads is not None}")
-    same_graph = same_spec = 0
+    print(f"  drafter: {getattr(graphs.heads, 'drafter', None) is not None}")
+    same_graph = same_spec = same_steps = 0
     for p in prompts:
         params = SamplingParams(max_tokens=96)
         a = graphs.generate(p, params, mode="vanilla")
         b = eager.generate(p, params, mode="vanilla")
         c = graphs.generate(p, params, mode="medusa")
+        d = eager.generate(p, params, mode="medusa")
         same_graph += a.token_ids == b.token_ids
         same_spec += a.token_ids == c.token_ids
+        # Same drafts in the graph and eager drafting paths -> the same trees and acceptances.
+        same_steps += [s.accepted_nodes for s in c.steps] == [s.accepted_nodes for s in d.steps]
         if a.token_ids != c.token_ids:
             k = next(i for i, (x, y) in enumerate(zip(a.token_ids, c.token_ids)) if x != y)
             print(f"  medusa/vanilla diverge at token {k}: top-2 logit margin there {margin(eager, p, a.token_ids, k):.4f}")
-    print(f"  graphs==eager: {same_graph}/{len(prompts)}; medusa==vanilla (greedy): {same_spec}/{len(prompts)}")
+    print(f"  graphs==eager: {same_graph}/{len(prompts)}; medusa==vanilla (greedy): {same_spec}/{len(prompts)}; "
+          f"medusa steps graphs==eager: {same_steps}/{len(prompts)}")
 
 engine = Engine.load(device="cuda")
 engine.generate(prompts[0], SamplingParams(max_tokens=8), mode="medusa")
@@ -68,14 +74,15 @@ for n in (1, 16, 64):
         times.append(1000 * (time.perf_counter() - t))
     print(f"N={n}: graph replay {replay:.3f} ms (GPU), decode() incl. host work + readback {statistics.median(times):.3f} ms")
 if getattr(engine.heads, "conditioned", False):  # Hydra: the per-step drafting replay, with readback
-    h = torch.zeros(engine.model.config.hidden_size, device="cuda", dtype=engine.model.dtype)
+    n_rows = runner.draft_rows  # the worst case: every level accepted last step
+    h = torch.zeros(n_rows, engine.model.config.hidden_size, device="cuda", dtype=engine.model.dtype)
     times = []
     for i in range(33):
         t = time.perf_counter()
-        outs = runner.expand(engine.heads, h, 1 + i, engine.policy.expand_width, 10)
+        outs = runner.expand(engine.heads, h, [1 + i] * n_rows, 600, engine.policy.expand_width, 10)
         [o.tolist() for o in outs]
         times.append(1000 * (time.perf_counter() - t))
-    print(f"hydra expand (width {engine.policy.expand_width}, top-10) incl. readback: {statistics.median(times[3:]):.3f} ms")
+    print(f"hydra drafting ({n_rows} drafter rows, width {engine.policy.expand_width}, top-10) incl. readback: {statistics.median(times[3:]):.3f} ms")
 gen = engine.generate(prompts[1], SamplingParams(max_tokens=128), mode="vanilla")
 print(f"vanilla step (whole loop): {1000 * gen.elapsed_s / gen.new_tokens:.3f} ms/token; "
       f"median StepRecord {1000 * statistics.median(s.elapsed_s for s in gen.steps):.3f} ms")

@@ -47,6 +47,15 @@ def random_hydra_heads(hidden: int, num_heads: int, seed: int, conditioning: str
     return heads.eval().requires_grad_(False)
 
 
+def with_random_drafter(heads: nn.Module, config: ModelConfig, seed: int) -> nn.Module:
+    """Attach an attention drafter with random weights: level-1 drafts from attention over the past."""
+    from elesium.inference.feature_drafter import FeatureDrafter
+
+    torch.manual_seed(seed)
+    heads.drafter = FeatureDrafter.for_model(config).eval().requires_grad_(False)  # type: ignore[assignment]
+    return heads
+
+
 def tiny_model(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
@@ -77,17 +86,22 @@ def speculative_samples(model: Transformer, heads: nn.Module, policy: TreePolicy
                         params: SamplingParams, n: int, samples: int, seed: int, mode: str = "medusa") -> dict:
     """Counts of the next ``n`` tokens the Medusa decoder commits after ``prefix + [first]``."""
     cache = model.new_cache(len(prefix) + 4 * policy.max_tree_size + n + 8)
-    runner = ForwardRunner(model, cache)
+    runner = ForwardRunner(model, cache, heads)
     sampler = Sampler(seed)
     base = MedusaDecoder(runner, heads, params, sampler, policy, mode)
     base.prefill(prefix)
     snapshot = (cache.k.clone(), cache.v.clone(), base.hidden.clone())
+    drafter = [t.clone() for t in runner.drafter_cache or ()]
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(samples):
         cache.k.copy_(snapshot[0])
         cache.v.copy_(snapshot[1])
+        for live, saved in zip(runner.drafter_cache or (), drafter):
+            live.copy_(saved)
         dec = MedusaDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode)
         dec.offset, dec.pending, dec.hidden = len(prefix), first, snapshot[2]
+        if base.rows is not None:  # path-conditioned heads draft from the rows, which end in ``first``
+            dec.rows, dec.row_tokens, dec.row_start = base.rows, [first], base.row_start
         got: list[int] = []
         while len(got) < n:
             got.extend(dec.step()[0])

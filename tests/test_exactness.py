@@ -16,7 +16,7 @@ from elesium.inference.sampling import SamplingParams, sample_from, target_probs
 from elesium.inference.tree_policy import TreePolicy
 from elesium.inference.verify import Verdict
 from spec_harness import (RandomHeads, chi_square_p, exact_joint, random_hydra_heads, speculative_samples,
-                          tiny_model)
+                          tiny_model, with_random_drafter)
 
 SAMPLES = 20_000
 PREFIX, FIRST = [1, 2, 3], 4
@@ -64,6 +64,13 @@ def test_hydra_speculative_sampling_is_exact(tiny, temperature, policy, conditio
     heads = random_hydra_heads(32, 3, seed=2, conditioning=conditioning)
     assert_samples_exact(model, heads, policy, temperature, seed=11,
                          label=f"exact hydra {conditioning} {policy.kind} T={temperature}")
+
+
+def test_hydra_with_attention_drafter_sampling_is_exact(tiny):
+    """Level 1 from the attention drafter (its own cache, fed the accepted rows): still exact."""
+    model, _ = tiny
+    heads = with_random_drafter(random_hydra_heads(32, 3, seed=4, conditioning="chain"), model.config, seed=5)
+    assert_samples_exact(model, heads, DYNAMIC, 1.0, seed=13, label="exact hydra chain + drafter T=1.0")
 
 
 def wrong_residual(tree, node_tokens, logits, params, sampler):
