@@ -13,7 +13,6 @@ one frozen projection instead of storing 49k-wide distributions. Loss = sum_k de
 
 from __future__ import annotations
 
-import math
 import platform
 import random
 import time
@@ -25,7 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from elesium.inference.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
 from elesium.inference.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
+from elesium.inference.feature_drafter import FeatureDrafter
 from elesium.inference.head_storage import Scheme, round_trip
 from elesium.inference.heads import build_heads, read_manifest, save_heads
 from elesium.inference.hydra_heads import DraftHeads
@@ -71,6 +72,11 @@ class TrainConfig:
     eval_max_tokens: int = 256
     save_dtype: str = "float16"
     storage: Scheme = "float"           # weight matrices on disk: float (save_dtype), int8, int4 or mixed
+    drafter: str = "none"               # "attention": also train feature_drafter.py's level-1 drafter (hydra only)
+    drafter_steps: int = 3000
+    drafter_batch: int = 32             # whole sequences per drafter step
+    drafter_lr: float = 1e-3
+    drafter_intermediate: int | None = None  # the drafter layer's MLP width (None: the base model's)
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -189,9 +195,16 @@ def score_prompts(model: Transformer, tokenizer: Any, heads: DraftHeads, prompts
     answers = generate_all(model, ids, max_tokens, eos_ids=tokenizer.eos_ids, batch_size=batch_size)
     cache = cache_hidden_states(model, list(zip(ids, answers)), batch_size=batch_size)
     per_head = evaluate(heads, model, cache, loss="ce")
-    return {"heads": [{"head": h["head"], "top1": round(h["top1"], 4), "top5": round(h["top5"], 4),
-                       "positions": h["positions"]} for h in per_head],
-            "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
+    rows = [{"head": h["head"], "top1": round(h["top1"], 4), "top5": round(h["top5"], 4),
+             "positions": h["positions"]} for h in per_head]
+    result: dict[str, Any] = {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
+    drafter = getattr(heads, "drafter", None)
+    if drafter is not None:  # the engine drafts level 1 with the drafter: that is head 1's score
+        d = score_drafter(drafter, model, list(zip(ids, answers)), batch_size=batch_size)
+        result["mlp_head1"] = rows[0]
+        rows[0] = {"head": 1, "top1": round(d["top1"], 4), "top5": round(d["top5"], 4),
+                   "positions": d["positions"], "source": "drafter"}
+    return result
 
 
 def read_eval_prompts(path: str | Path) -> list[str]:
@@ -209,10 +222,7 @@ def read_eval_prompts(path: str | Path) -> list[str]:
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
 
 
 def hardware() -> dict[str, str]:
@@ -231,6 +241,10 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
 
     if cfg.distill_only and cfg.data is not None:
         raise ValueError("--distill-only writes OUT/distill.jsonl.gz; with --data there is nothing to distil")
+    if cfg.drafter not in ("none", "attention"):
+        raise ValueError(f"unknown drafter {cfg.drafter!r}; use attention or none")
+    if cfg.drafter != "none" and cfg.kind != "hydra":
+        raise ValueError("the attention drafter drafts level 1 for hydra heads; use --kind hydra or --drafter none")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -318,6 +332,18 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
             save_ckpt()
     bar.close()
     save_ckpt()
+    drafter: FeatureDrafter | None = None
+    drafter_block: dict[str, Any] = {}
+    if cfg.drafter == "attention":
+        torch.manual_seed(cfg.seed)
+        drafter = FeatureDrafter.for_model(model.config, cfg.drafter_intermediate).to(dev)
+        dcfg = DrafterConfig(steps=cfg.drafter_steps, batch=cfg.drafter_batch, lr=cfg.drafter_lr,
+                             warmup=min(cfg.warmup, cfg.drafter_steps), eval_every=cfg.eval_every,
+                             ckpt_every=cfg.ckpt_every, seed=cfg.seed, resume=cfg.resume)
+        drafter_block = train_drafter(
+            drafter, model, [list(r["prompt_ids"]) + list(r["response_ids"]) for r in split["train"]],
+            [(r["prompt_ids"], r["response_ids"]) for r in split["val"]], dcfg, cfg.out, autocast,
+            deadline=None if cfg.time_budget_s is None else t0 + cfg.time_budget_s, log=log)
     train_s = time.monotonic() - t0
 
     # -- final evaluation, of the weights exactly as shipped (save_dtype, storage), and the artefact --
@@ -327,6 +353,18 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         heads.load_state_dict(round_trip(heads.state_dict(), cfg.storage, save_dtype))
     held = evaluate(heads, model, val_cache)
     eval_block: dict[str, Any] = {"held_out": held}
+    if drafter is not None:
+        val_pairs = [(r["prompt_ids"], r["response_ids"]) for r in split["val"]]
+        with autocast:
+            unquantised = score_drafter(drafter, model, val_pairs)
+        drafter = drafter.to(save_dtype).eval().requires_grad_(False)
+        if cfg.storage != "float":
+            drafter.load_state_dict(round_trip(drafter.state_dict(), cfg.storage, save_dtype))
+        heads.drafter = drafter
+        eval_block["held_out_drafter"] = {"as_stored": score_drafter(drafter, model, val_pairs),
+                                          "before_storage": unquantised}
+        log("held-out head 1 (drafter): " + "  ".join(
+            f"{k} {v['top1']:.3f}/{v['top5']:.3f}" for k, v in eval_block["held_out_drafter"].items()))
     if cfg.eval_prompts is not None:
         result = score_prompts(model, tokenizer, heads, read_eval_prompts(cfg.eval_prompts), cfg.eval_max_tokens,
                                batch_size=max(1, min(cfg.gen_batch, 80)))
@@ -351,6 +389,7 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
                      "max_new_tokens": max(r["sampling"]["max_new_tokens"] for r in records),
                      "tasks": dict(sorted(tasks.items())), "prompt_source": "elesium/data/distill_templates.jsonl "
                      "(not MT-Bench)", "created": records[0].get("created") if records else None},
+            **({"drafter": drafter_block} if drafter is not None else {}),
         },
         "eval": eval_block, "history": history, "command": cfg.command, "hardware": hardware(), **cfg.extra,
     }

@@ -246,6 +246,12 @@ def test_train_heads_defaults_are_the_shipped_recipe():
     assert (args.loss, args.decay, args.steps, args.batch_size, args.lr, args.warmup, args.seed) == (
         training["loss"], training["decay"], training["steps"], training["batch_size"], training["lr"],
         training["warmup"], training["seed"])
+    assert args.drafter == ("attention" if "drafter" in heads else "none")
+    if "drafter" in heads:
+        drafter = training["drafter"]
+        assert (args.drafter_steps, args.drafter_batch, args.drafter_lr) == (
+            drafter["steps"], drafter["batch_sequences"], drafter["lr"])
+        assert args.drafter_intermediate in (None, heads["drafter"]["intermediate_size"])
     assert args.prompts == training["data"]["prompts"]
     assert sorted(args.temperatures) == training["data"]["temperatures"]
     assert args.max_new_tokens == training["data"]["max_new_tokens"]

@@ -1,7 +1,7 @@
 """``elesium train-heads``: self-distil the base model, train draft heads, write heads + manifest.
 
 The defaults are the recipe of the shipped heads (Hydra, chain, 2 blocks, 8,000 prompts, 5,000 steps,
-stored ``mixed``), so that ``elesium train-heads --device cuda`` reproduces them; a test holds the
+an attention drafter for level 1 trained for 3,000 steps, stored ``mixed``), so that ``elesium train-heads --device cuda`` reproduces them; a test holds the
 defaults to the shipped manifest.
 """
 
@@ -57,6 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight matrices on disk: float (--save-dtype), int8 (per row), int4 (per 32 inputs) or "
                    "mixed (int8 for Hydra's skip matrices, int4 for the rest); the final evaluation scores the "
                    "weights as stored")
+    p.add_argument("--drafter", choices=["attention", "none"], default="attention",
+                   help="attention: also train an EAGLE-style attention drafter for the first draft level "
+                   "(hydra heads only; HEADS.md); none: the heads alone")
+    p.add_argument("--drafter-steps", type=int, default=3000)
+    p.add_argument("--drafter-batch", type=int, default=32, help="whole sequences per drafter step")
+    p.add_argument("--drafter-lr", type=float, default=1e-3)
+    p.add_argument("--drafter-intermediate", type=int, default=None,
+                   help="the drafter layer's MLP width (default: the base model's)")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -64,9 +72,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from elesium.inference.head_training import TrainConfig, train
 
-    for name in ("prompts", "steps", "batch_size", "gen_batch", "num_heads", "num_layers", "max_new_tokens"):
+    for name in ("prompts", "steps", "batch_size", "gen_batch", "num_heads", "num_layers", "max_new_tokens",
+                 "drafter_steps", "drafter_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.drafter_intermediate is not None and args.drafter_intermediate < 1:
+        raise ValueError(f"--drafter-intermediate must be >= 1, got {args.drafter_intermediate}")
+    if args.drafter != "none" and args.kind != "hydra":
+        raise ValueError("--drafter attention drafts level 1 for hydra heads; add --drafter none for --kind medusa")
     if args.data is not None and not args.data.exists():
         raise FileNotFoundError(f"--data file not found: {args.data}")
     if args.eval_prompts is not None and not args.eval_prompts.exists():
@@ -78,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr, warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
         seed=args.seed, resume=args.resume, time_budget_s=args.time_budget, eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, storage=args.storage,
-        distill_only=args.distill_only,
+        distill_only=args.distill_only, drafter=args.drafter, drafter_steps=args.drafter_steps,
+        drafter_batch=args.drafter_batch, drafter_lr=args.drafter_lr, drafter_intermediate=args.drafter_intermediate,
         command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
     engine = load_engine(args)
     train(cfg, engine, log=lambda msg: print(msg, file=sys.stderr, flush=True))
