@@ -11,7 +11,8 @@ Schemes (symmetric, round-to-nearest; scales are fp16):
 * ``int8``: one scale per output row, ``q = round(w / s)`` with ``s = max|w_row| / 127``.
 * ``int4``: one scale per group of 32 consecutive inputs of a row (16 or 8 where 32 does not divide
   the row), ``s = max|w_group| / 7``; two values per byte (low nibble first), stored as ``q + 8``.
-* ``mixed``: int8 for Hydra's skip matrices ``R`` and int4 for everything else. ``R`` carries ``h_t``
+* ``mixed``: int8 for Hydra's skip matrices ``R`` and int4 for everything else (the attention
+  drafter's matrices included; its file is written by the same function). ``R`` carries ``h_t``
   straight to ``lm_head``, and is where int4 hurts: on MT-Bench (1-block heads), int4 everywhere cost
   head 1 1.1 points of top-1, int4 only on ``W`` 0.3 (HEADS.md has the table). int8 everywhere was
   lossless but, at 5.3 MB for those smaller heads, already over the limit.

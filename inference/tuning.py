@@ -89,6 +89,10 @@ def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96
         ahead = rows[:, None] + torch.arange(heads.num_heads, device=model.device)
         # Hydra heads read the true path so far (x_{t+1} ...), as they do when that path was drafted.
         out = heads.teacher_forced(model, hidden[rows], target[ahead + 1])  # [heads, rows, H]
+        drafter = getattr(heads, "drafter", None)
+        if drafter is not None:  # level 1 is drafted by the attention drafter: score that
+            feats = drafter.sequence(model, hidden[None, :-1], target[None, 1:])[0]  # row t reads (h_t, x_{t+1})
+            out = torch.cat([feats[rows][None], out[1:]])
         top = torch.topk(model.logits(out), topk, dim=-1).indices  # [heads, rows, topk]
         truth = target[ahead + 2].T  # [heads, rows]
         hits += (top == truth[..., None]).float().sum(1).cpu()

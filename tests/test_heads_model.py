@@ -49,6 +49,18 @@ def test_shipped_heads_load_and_beat_zero_init(engine, which):
     assert (trained == target).float().mean() > (untrained == target).float().mean()
 
 
+def test_shipped_drafter_beats_the_mlp_head_1(engine):
+    """The attention drafter is what the engine drafts level 1 with; it must earn its place on real text."""
+    from elesium.inference.head_training import score_prompts
+
+    heads = load_heads(None, base_sha256=engine.weights_info.sha256, device="cpu", dtype=torch.float32)
+    assert heads.drafter is not None
+    result = score_prompts(engine.model, engine.tokenizer, heads, PROMPTS, max_tokens=48, batch_size=4)
+    head1, mlp = result["heads"][0], result["mlp_head1"]
+    assert head1["source"] == "drafter" and head1["positions"] == mlp["positions"] > 50
+    assert head1["top1"] > mlp["top1"] + 0.03
+
+
 def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     # The CLI path end to end, minus a second multi-second model load: reuse the session's engine.
     from elesium.commands import eval_heads
@@ -60,6 +72,7 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
                  "--dtype", "float32"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [h["head"] for h in result["heads"]] == [1, 2, 3, 4]
+    assert result["heads"][0]["source"] == "drafter" and result["mlp_head1"]["head"] == 1
     assert all(0.0 <= h["top1"] <= h["top5"] <= 1.0 for h in result["heads"])
     assert 2 <= result["tokens"] <= 6 and result["prompts"] == 2
 

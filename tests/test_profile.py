@@ -40,3 +40,23 @@ def test_shipped_profiles_were_tuned_with_the_shipped_heads():
     assert shipped, f"no shipped profiles in {SHIPPED}"
     for path in shipped:
         assert TuneProfile.load(path).heads_sha256 == heads_sha, f"{path.name} was tuned with other heads"
+
+
+def test_tuner_scores_level_one_with_the_drafter(engine):
+    """The calibration that sizes static trees must measure what drafts level 1: the drafter, when present."""
+    from elesium.inference.tuning import head_acceptance
+
+    heads = engine.heads
+    drafter = getattr(heads, "drafter", None)
+    assert drafter is not None
+    prompts = ["List three causes of a failed database backup."]
+    with_drafter = head_acceptance(engine, prompts, max_tokens=24)
+    try:
+        heads.drafter = None
+        engine.heads = heads  # re-arm the runner without the drafter
+        without = head_acceptance(engine, prompts, max_tokens=24)
+    finally:
+        heads.drafter = drafter
+        engine.heads = heads
+    assert with_drafter[1:] == without[1:]
+    assert with_drafter[0] != without[0]

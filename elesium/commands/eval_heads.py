@@ -41,5 +41,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result['prompts']} prompts, {result['tokens']} greedy tokens")
     print("head  top-1   top-5   positions")
     for h in result["heads"]:
-        print(f"{h['head']:>4}  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}")
+        label = "  (attention drafter)" if h.get("source") == "drafter" else ""
+        print(f"{h['head']:>4}  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}{label}")
+    if "mlp_head1" in result:
+        h = result["mlp_head1"]
+        print(f"   1  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}  (Hydra MLP head 1, not used for drafting)")
     return 0
