@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
+from elesium.inference.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.feature_drafter import FeatureDrafter
 from elesium.inference.model import Transformer
 
@@ -126,15 +126,11 @@ def train_drafter(drafter: FeatureDrafter, model: Transformer, train_seqs: Seque
     ckpt_path = out / "drafter_ckpt.pt"
     step, history = 0, []
     if cfg.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=dev, weights_only=False)
-        drafter.load_state_dict(ckpt["drafter"])
-        opt.load_state_dict(ckpt["optimizer"])
-        step, history = ckpt["step"], ckpt["history"]
+        step, history = load_checkpoint(ckpt_path, "drafter", drafter, opt, dev)
         log(f"drafter: resumed from {ckpt_path} at step {step}")
 
     def save_ckpt() -> None:
-        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "history": history}, ckpt_path)
+        save_checkpoint(ckpt_path, "drafter", drafter, opt, step, history)
 
     # An even spread of the held-out set: distillation files list every greedy answer before the
     # sampled ones, so a prefix would score greedy answers only.

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from elesium.inference.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
 from elesium.inference.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
 from elesium.inference.feature_drafter import FeatureDrafter
@@ -290,15 +291,12 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
     ckpt_path = cfg.out / "ckpt.pt"
     step, history = 0, []
     if cfg.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=dev, weights_only=False)
-        heads.load_state_dict(ckpt["heads"])
-        opt.load_state_dict(ckpt["optimizer"])
-        step, history = ckpt["step"], ckpt["history"]
+        step, history = load_checkpoint(ckpt_path, "heads", heads, opt, dev)
         log(f"resumed from {ckpt_path} at step {step}")
 
     def save_ckpt() -> None:
-        torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "history": history, "config": {k: str(v) for k, v in asdict(cfg).items()}}, ckpt_path)
+        save_checkpoint(ckpt_path, "heads", heads, opt, step, history,
+                        config={k: str(v) for k, v in asdict(cfg).items()})
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     weights = [cfg.decay ** k for k in range(cfg.num_heads)]

@@ -5,11 +5,9 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-
 from elesium.inference.distill import write_jsonl
 from elesium.inference.drafter_training import drafter_logits, drafter_loss, padded
 from elesium.inference.feature_drafter import FeatureDrafter
@@ -21,7 +19,7 @@ from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.speculative import MedusaDecoder
 from elesium.inference.tree_policy import TreePolicy
 from elesium.inference.vanilla import VanillaDecoder
-from test_heads import SHA, VOCAB, cycle_records, tiny_model
+from test_heads import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
 
 
 def random_setup(seed: int = 0) -> tuple:
@@ -85,7 +83,7 @@ def test_drafter_replaces_level_one_only():
     model, heads = random_setup(2)
     hidden, token = torch.randn(32), torch.tensor([3])
     feature = torch.randn(1, 32)
-    tokens, logprobs, parents = heads.expand(model, hidden, token, 4, 3, first=feature)
+    tokens, logprobs, _ = heads.expand(model, hidden, token, 4, 3, first=feature)
     top = torch.log_softmax(model.logits(feature), -1).topk(3)
     assert tokens[0].tolist() == top.indices[0].tolist()
     torch.testing.assert_close(logprobs[0], top.values[0])
@@ -141,7 +139,7 @@ def test_greedy_with_drafter_equals_vanilla(policy):
 
 
 def test_save_load_round_trip_with_drafter(tmp_path: Path):
-    model, heads = random_setup(4)
+    _, heads = random_setup(4)
     save_heads(heads, tmp_path / "f", {"base_model": {"sha256": SHA}})
     save_heads(copy.deepcopy(heads).half(), tmp_path / "q", {"base_model": {"sha256": SHA}}, storage="mixed")
     block = read_manifest(tmp_path / "f")["heads"]["drafter"]
@@ -198,10 +196,8 @@ def test_drafter_training_lowers_the_loss():
 
 def test_train_heads_with_drafter_resumes_and_ships(tmp_path: Path):
     """train() with a drafter: a resumed run equals an uninterrupted one; the manifest scores the stored drafter."""
-    model = tiny_model()
+    engine = tiny_engine(tiny_model())
     data = write_jsonl(tmp_path / "data.jsonl", cycle_records())
-    engine = SimpleNamespace(model=model, tokenizer=None,
-                             weights_info=SimpleNamespace(sha256=SHA, source=Path("tiny.gguf")))
 
     def cfg(out: Path, steps: int, resume: bool = False, **kw) -> TrainConfig:
         return TrainConfig(out=out, data=data, steps=4, batch_size=32, lr=1e-2, warmup=2, eval_every=3, ckpt_every=3,
@@ -209,7 +205,7 @@ def test_train_heads_with_drafter_resumes_and_ships(tmp_path: Path):
                            save_dtype="float32", command="test", drafter="attention", drafter_steps=steps,
                            drafter_batch=4, drafter_lr=1e-2, val_fraction=0.25, **kw)
 
-    quiet = lambda _msg: None  # noqa: E731
+    quiet = lambda _msg: None
     straight = train(cfg(tmp_path / "a", 6), engine, log=quiet)
     train(cfg(tmp_path / "b", 3), engine, log=quiet)
     train(cfg(tmp_path / "b", 6, resume=True), engine, log=quiet)

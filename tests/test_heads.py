@@ -28,6 +28,11 @@ def tiny_model(seed: int = 0) -> Transformer:
     return Transformer(config).eval().requires_grad_(False)
 
 
+def tiny_engine(model: Transformer) -> SimpleNamespace:
+    """What ``train()`` reads from an engine, around a tiny model (no tokenizer: data is given as ids)."""
+    return SimpleNamespace(model=model, tokenizer=None, weights_info=SimpleNamespace(sha256=SHA, source=Path("tiny.gguf")))
+
+
 def cycle_records(n: int = 12, length: int = 40) -> list[dict]:
     """Answers that count up modulo VOCAB with a per-sequence stride: the future is learnable from the present."""
     recs = []
@@ -134,8 +139,7 @@ def test_train_end_to_end_resume_and_ship(tmp_path: Path):
     """The whole recipe on a tiny model: a resumed run equals an uninterrupted one, bit for bit."""
     model = tiny_model()
     data = write_jsonl(tmp_path / "data.jsonl", cycle_records())
-    engine = SimpleNamespace(model=model, tokenizer=None,
-                             weights_info=SimpleNamespace(sha256=SHA, source=Path("tiny.gguf")))
+    engine = tiny_engine(model)
 
     def cfg(out: Path, steps: int, resume: bool = False) -> TrainConfig:
         return TrainConfig(out=out, data=data, steps=steps, batch_size=32, lr=1e-2, warmup=2, eval_every=3,
