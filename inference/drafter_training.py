@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from elesium.inference.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.feature_drafter import FeatureDrafter
 from elesium.inference.model import Transformer

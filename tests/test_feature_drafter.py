@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from elesium.inference.distill import write_jsonl
 from elesium.inference.drafter_training import drafter_logits, drafter_loss, padded
 from elesium.inference.feature_drafter import FeatureDrafter
@@ -19,6 +20,7 @@ from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.speculative import MedusaDecoder
 from elesium.inference.tree_policy import TreePolicy
 from elesium.inference.vanilla import VanillaDecoder
+
 from test_heads import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
 
 
