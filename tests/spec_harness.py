@@ -86,7 +86,9 @@ def speculative_samples(model: Transformer, heads: nn.Module, policy: TreePolicy
                         params: SamplingParams, n: int, samples: int, seed: int, mode: str = "medusa") -> dict:
     """Counts of the next ``n`` tokens the Medusa decoder commits after ``prefix + [first]``."""
     cache = model.new_cache(len(prefix) + 4 * policy.max_tree_size + n + 8)
-    runner = ForwardRunner(model, cache, heads)
+    # The runner owns only a drafter's heads (it keeps the drafter's cache); others are passed per step,
+    # so the step forward does not fuse Medusa drafts (top-10 of an 8-token vocabulary).
+    runner = ForwardRunner(model, cache, heads if getattr(heads, "drafter", None) is not None else None)
     sampler = Sampler(seed)
     base = MedusaDecoder(runner, heads, params, sampler, policy, mode)
     base.prefill(prefix)
