@@ -32,10 +32,13 @@ def test_shipped_profiles_were_tuned_with_the_shipped_heads():
     """New heads need `elesium tune` on each profiled machine; a stale profile would silently be skipped."""
     import hashlib
 
-    from elesium.inference.heads import WEIGHTS_FILE, default_heads_dir
+    from elesium.inference.heads import DRAFTER_FILE, WEIGHTS_FILE, default_heads_dir, load_heads, read_manifest
     from elesium.inference.profile import SHIPPED
 
-    heads_sha = hashlib.sha256((default_heads_dir() / WEIGHTS_FILE).read_bytes()).hexdigest()
+    # The key profiles match on: the heads' file and, when shipped, the drafter's.
+    heads_sha = load_heads(None, base_sha256=read_manifest(None)["base_model"]["sha256"]).source_sha256
+    files = [default_heads_dir() / WEIGHTS_FILE, default_heads_dir() / DRAFTER_FILE]
+    assert heads_sha == hashlib.sha256(b"".join(f.read_bytes() for f in files if f.exists())).hexdigest()
     shipped = sorted(SHIPPED.glob("*.json"))
     assert shipped, f"no shipped profiles in {SHIPPED}"
     for path in shipped:
