@@ -25,18 +25,18 @@ from typing import Protocol
 import torch
 
 from elesium.config import Settings
-from elesium.inference.forward import CudaGraphRunner, ForwardRunner
-from elesium.inference.heads import HeadsMismatchError, load_heads
-from elesium.inference.loading import LoadedWeights, load_weights
-from elesium.inference.model import Transformer, build_model
-from elesium.inference.profile import find_profile
+from elesium.inference.runtime.forward import CudaGraphRunner, ForwardRunner
+from elesium.inference.drafters.files import HeadsMismatchError, load_heads
+from elesium.inference.weights.loading import LoadedWeights, load_weights
+from elesium.inference.runtime.model import Transformer, build_model
+from elesium.inference.tuning.profile import find_profile
 from elesium.inference.records import Chunk, DecodeMode, FinishReason, Generation, StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.speculative import MedusaDecoder
+from elesium.inference.decoding.speculative import MedusaDecoder
 from elesium.inference.text_stream import TextStream
-from elesium.inference.tree_policy import TreePolicy
-from elesium.inference.tokenizer import Message, Tokenizer
-from elesium.inference.vanilla import VanillaDecoder
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.weights.tokenizer import Message, Tokenizer
+from elesium.inference.decoding.vanilla import VanillaDecoder
 
 Prompt = str | Sequence[Message]
 # Tree sizes that get their own CUDA graph (a tree runs in the smallest bucket that holds it).

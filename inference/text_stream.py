@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from elesium.inference.tokenizer import Tokenizer
+from elesium.inference.weights.tokenizer import Tokenizer
 
 
 class TextStream:

@@ -12,12 +12,12 @@ import itertools
 import torch
 from torch import nn
 
-from elesium.inference.config import ModelConfig
-from elesium.inference.forward import ForwardRunner
-from elesium.inference.model import Transformer
+from elesium.inference.runtime.config import ModelConfig
+from elesium.inference.runtime.forward import ForwardRunner
+from elesium.inference.runtime.model import Transformer
 from elesium.inference.sampling import Sampler, SamplingParams, target_probs
-from elesium.inference.speculative import MedusaDecoder
-from elesium.inference.tree_policy import TreePolicy
+from elesium.inference.decoding.speculative import MedusaDecoder
+from elesium.inference.decoding.tree_policy import TreePolicy
 
 VOCAB = 8
 
@@ -37,7 +37,7 @@ class RandomHeads(nn.Module):
 
 def random_hydra_heads(hidden: int, num_heads: int, seed: int, conditioning: str = "concat") -> nn.Module:
     """Hydra heads with random weights: drafts depend on the path, and are often wrong."""
-    from elesium.inference.hydra_heads import HydraHeads
+    from elesium.inference.drafters.hydra import HydraHeads
 
     heads = HydraHeads(hidden, num_heads, 1, conditioning)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +49,7 @@ def random_hydra_heads(hidden: int, num_heads: int, seed: int, conditioning: str
 
 def with_random_drafter(heads: nn.Module, config: ModelConfig, seed: int) -> nn.Module:
     """Attach an attention drafter with random weights: level-1 drafts from attention over the past."""
-    from elesium.inference.feature_drafter import FeatureDrafter
+    from elesium.inference.drafters.attention_drafter import FeatureDrafter
 
     torch.manual_seed(seed)
     heads.drafter = FeatureDrafter.for_model(config).eval().requires_grad_(False)  # type: ignore[assignment]

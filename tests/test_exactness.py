@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elesium.inference import verify as verify_mod
+from elesium.inference.decoding import verify as verify_mod
 from elesium.inference.sampling import SamplingParams, sample_from, target_probs
-from elesium.inference.tree_policy import TreePolicy
-from elesium.inference.verify import Verdict
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.decoding.verify import Verdict
 from spec_harness import (RandomHeads, chi_square_p, exact_joint, random_hydra_heads, speculative_samples,
                           tiny_model, with_random_drafter)
 
@@ -89,7 +89,7 @@ def wrong_residual(tree, node_tokens, logits, params, sampler):
 
 def test_negative_control_wrong_residual_fails(tiny, monkeypatch):
     model, heads = tiny
-    monkeypatch.setattr("elesium.inference.speculative.verify_sampled", wrong_residual)
+    monkeypatch.setattr("elesium.inference.decoding.speculative.verify_sampled", wrong_residual)
     params = SamplingParams(temperature=1.0, top_p=0.9)
     expected = exact_joint(model, PREFIX, FIRST, params, 2)
     counts = speculative_samples(model, heads, STATIC, PREFIX, FIRST, params, 2, SAMPLES, seed=7)

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from elesium.inference.distill import write_jsonl
-from elesium.inference.drafter_training import drafter_logits, drafter_loss, padded
-from elesium.inference.feature_drafter import FeatureDrafter
-from elesium.inference.forward import ForwardRunner, draft_tree
-from elesium.inference.head_training import TrainConfig, train
-from elesium.inference.heads import load_heads, read_manifest, save_heads
-from elesium.inference.hydra_heads import HydraHeads
+from elesium.inference.training.distill import write_jsonl
+from elesium.inference.training.drafter_training import drafter_logits, drafter_loss, padded
+from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.runtime.forward import ForwardRunner, draft_tree
+from elesium.inference.training.head_training import TrainConfig, train
+from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
+from elesium.inference.drafters.hydra import HydraHeads
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.speculative import MedusaDecoder
-from elesium.inference.tree_policy import TreePolicy
-from elesium.inference.vanilla import VanillaDecoder
+from elesium.inference.decoding.speculative import MedusaDecoder
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.decoding.vanilla import VanillaDecoder
 
 from test_heads import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
 
@@ -103,7 +103,7 @@ def test_drafter_replaces_level_one_only():
                          ids=["dynamic", "static"])
 def test_greedy_with_drafter_equals_vanilla(policy):
     """Greedy decoding with drafter-led trees commits exactly vanilla's tokens, across prompt chunks."""
-    import elesium.inference.forward as fwd
+    import elesium.inference.runtime.forward as fwd
 
     model, heads = random_setup(3)
     prompt = [(5 * i + 1) % VOCAB for i in range(11)]

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from elesium.inference import head_storage as hs
-from elesium.inference.distill import write_jsonl
-from elesium.inference.head_training import TrainConfig, cache_hidden_states, evaluate, train
-from elesium.inference.heads import MedusaHeads, build_heads, load_heads, read_manifest, save_heads
-from elesium.inference.hydra_heads import HydraHeads
+from elesium.inference.drafters import storage as hs
+from elesium.inference.training.distill import write_jsonl
+from elesium.inference.training.head_training import TrainConfig, cache_hidden_states, evaluate, train
+from elesium.inference.drafters.files import build_heads, load_heads, read_manifest, save_heads
+from elesium.inference.drafters.hydra import HydraHeads
+from elesium.inference.drafters.medusa import MedusaHeads
 from test_heads import SHA, cycle_records, tiny_model
 
 

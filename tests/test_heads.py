@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elesium.inference.config import ModelConfig
-from elesium.inference.distill import build_prompts, read_jsonl, write_jsonl
-from elesium.inference.head_training import (
+from elesium.inference.runtime.config import ModelConfig
+from elesium.inference.training.distill import build_prompts, read_jsonl, write_jsonl
+from elesium.inference.training.head_training import (
     TrainConfig, cache_hidden_states, evaluate, head_losses, lr_at, read_eval_prompts, train)
-from elesium.inference.heads import (
-    HeadsMismatchError, MedusaHeads, default_heads_dir, load_heads, read_manifest, save_heads)
-from elesium.inference.model import Transformer
+from elesium.inference.drafters.files import (
+    HeadsMismatchError, default_heads_dir, load_heads, read_manifest, save_heads)
+from elesium.inference.drafters.medusa import MedusaHeads
+from elesium.inference.runtime.model import Transformer
 
 VOCAB = 40
 SHA = "a" * 64

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from elesium.cli import main
-from elesium.inference.distill import generate_batch
-from elesium.inference.heads import MedusaHeads, default_heads_dir, load_heads, save_heads
-from elesium.inference.hydra_heads import HydraHeads
+from elesium.inference.training.distill import generate_batch
+from elesium.inference.drafters.files import default_heads_dir, load_heads, save_heads
+from elesium.inference.drafters.hydra import HydraHeads
+from elesium.inference.drafters.medusa import MedusaHeads
 
 PROMPTS = ["Summarise: the VPN is down for the whole floor since 9am.",
            "What is 17 + 25?",
@@ -51,7 +52,7 @@ def test_shipped_heads_load_and_beat_zero_init(engine, which):
 
 def test_shipped_drafter_beats_the_mlp_head_1(engine):
     """The attention drafter is what the engine drafts level 1 with; it must earn its place on real text."""
-    from elesium.inference.head_training import score_prompts
+    from elesium.inference.training.head_training import score_prompts
 
     heads = load_heads(None, base_sha256=engine.weights_info.sha256, device="cpu", dtype=torch.float32)
     assert heads.drafter is not None
@@ -85,8 +86,8 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
 
 
 def test_distill_only_writes_the_data_that_the_same_command_then_trains_on(engine, tmp_path: Path):
-    from elesium.inference.distill import read_jsonl
-    from elesium.inference.head_training import TrainConfig, train
+    from elesium.inference.training.distill import read_jsonl
+    from elesium.inference.training.head_training import TrainConfig, train
 
     quiet = lambda _msg: None  # noqa: E731
     cfg = TrainConfig(out=tmp_path / "h", prompts=2, max_new_tokens=3, gen_batch=4, distill_only=True)

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from elesium.inference.drafts import ExpandedDrafts, FactoredDrafts, contains
-from elesium.inference.head_training import cache_hidden_states
-from elesium.inference.heads import load_heads, read_manifest, save_heads
-from elesium.inference.hydra_heads import HydraHeads
-from elesium.inference.tree import Tree, restricted, top_paths
+from elesium.inference.decoding.drafts import ExpandedDrafts, FactoredDrafts, contains
+from elesium.inference.training.head_training import cache_hidden_states
+from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
+from elesium.inference.drafters.hydra import HydraHeads
+from elesium.inference.decoding.tree import Tree, restricted, top_paths
 from test_heads import SHA, VOCAB, cycle_records, fit_briefly, tiny_model
 
 CONDITIONINGS = ["concat", "chain"]

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from elesium.inference.tree import Tree
+from elesium.inference.decoding.tree import Tree
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,9 +89,9 @@ def test_batched_padded_forward_matches_single(engine):
 
 @torch.inference_mode()
 def test_hf_export_round_trip(engine, weights, tmp_path):
-    from elesium.inference.hf_files import read_hf_dir, write_hf_dir
-    from elesium.inference.loading import load_weights
-    from elesium.inference.model import build_model
+    from elesium.inference.weights.hf_files import read_hf_dir, write_hf_dir
+    from elesium.inference.weights.loading import load_weights
+    from elesium.inference.runtime.model import build_model
 
     write_hf_dir(tmp_path, weights.config, engine.model.hf_state(), weights.tokenizer)
     config, state = read_hf_dir(tmp_path)
@@ -106,7 +106,7 @@ def test_hf_export_round_trip(engine, weights, tmp_path):
 def test_unpermute_inverts_llama_cpp_permute():
     import numpy as np
 
-    from elesium.inference.gguf_file import unpermute_qk
+    from elesium.inference.weights.gguf_file import unpermute_qk
 
     def permute(w, n_head):  # llama.cpp's convert script
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -117,7 +117,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 
 def test_weight_cache_is_used(weights, tmp_path, monkeypatch):
-    from elesium.inference import loading
+    from elesium.inference.weights import loading
 
     first = loading.load_weights(None, tmp_path)
     assert len(list((tmp_path / "weights").iterdir())) == 1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from elesium.inference.profile import TuneProfile, find_profile, profile_path
+from elesium.inference.tuning.profile import TuneProfile, find_profile, profile_path
 
 SHA = "b" * 64
 
@@ -32,8 +32,8 @@ def test_shipped_profiles_were_tuned_with_the_shipped_heads():
     """New heads need `elesium tune` on each profiled machine; a stale profile would silently be skipped."""
     import hashlib
 
-    from elesium.inference.heads import DRAFTER_FILE, WEIGHTS_FILE, default_heads_dir, load_heads, read_manifest
-    from elesium.inference.profile import SHIPPED
+    from elesium.inference.drafters.files import DRAFTER_FILE, WEIGHTS_FILE, default_heads_dir, load_heads, read_manifest
+    from elesium.inference.tuning.profile import SHIPPED
 
     # The key profiles match on: the heads' file and, when shipped, the drafter's.
     heads_sha = load_heads(None, base_sha256=read_manifest(None)["base_model"]["sha256"]).source_sha256
@@ -47,7 +47,7 @@ def test_shipped_profiles_were_tuned_with_the_shipped_heads():
 
 def test_tuner_scores_level_one_with_the_drafter(engine):
     """The calibration that sizes static trees must measure what drafts level 1: the drafter, when present."""
-    from elesium.inference.tuning import head_acceptance
+    from elesium.inference.tuning.tuner import head_acceptance
 
     heads = engine.heads
     drafter = getattr(heads, "drafter", None)

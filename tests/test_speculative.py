@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from elesium.inference.drafts import FactoredDrafts
-from elesium.inference.forward import ForwardRunner
-from elesium.inference.heads import default_heads_dir, load_heads
+from elesium.inference.decoding.drafts import FactoredDrafts
+from elesium.inference.runtime.forward import ForwardRunner
+from elesium.inference.drafters.files import default_heads_dir, load_heads
 from elesium.inference.records import StepRecord
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.speculative import MedusaDecoder
-from elesium.inference.tree import MEDUSA_DEFAULT_PATHS, Tree, top_paths
-from elesium.inference.tree_policy import TreePolicy
+from elesium.inference.decoding.speculative import MedusaDecoder
+from elesium.inference.decoding.tree import MEDUSA_DEFAULT_PATHS, Tree, top_paths
+from elesium.inference.decoding.tree_policy import TreePolicy
 
 POLICIES = {
     "static": TreePolicy(kind="static", static_paths=MEDUSA_DEFAULT_PATHS[:24]),

@@ -64,7 +64,7 @@ def test_chat_template_has_generation_prompt(weights):
 
 
 def test_tokenizer_serialisation_round_trip(weights):
-    from elesium.inference.tokenizer import Tokenizer
+    from elesium.inference.weights.tokenizer import Tokenizer
 
     tok = weights.tokenizer
     again = Tokenizer.from_json(tok.to_json())

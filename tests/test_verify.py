@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from elesium.inference.tree import Tree
+from elesium.inference.decoding.tree import Tree
 
 
 def test_sampled_verification_matches_its_reference():
     """The read-back-light walk takes the same decisions as the full-row reference, same uniforms."""
     from elesium.inference.sampling import Sampler, SamplingParams
-    from elesium.inference.verify import verify_sampled, verify_sampled_reference
+    from elesium.inference.decoding.verify import verify_sampled, verify_sampled_reference
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(300):

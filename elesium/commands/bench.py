@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.benchmark import read_prompts, run_bench, write_plots
+    from elesium.inference.tuning.benchmark import read_prompts, run_bench, write_plots
     from elesium.inference.sampling import SamplingParams
 
     prompts = read_prompts(args.prompts, args.limit)

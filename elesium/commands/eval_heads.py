@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.head_training import read_eval_prompts, score_prompts
-    from elesium.inference.heads import load_heads
+    from elesium.inference.training.head_training import read_eval_prompts, score_prompts
+    from elesium.inference.drafters.files import load_heads
 
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2 (a head needs a token past the next one), got {args.max_tokens}")

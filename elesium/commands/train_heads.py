@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.head_training import TrainConfig, train
+    from elesium.inference.training.head_training import TrainConfig, train
 
     for name in ("prompts", "steps", "batch_size", "gen_batch", "num_heads", "num_layers", "max_new_tokens",
                  "drafter_steps", "drafter_batch"):

@@ -21,10 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from elesium.config import Settings
-    from elesium.inference.benchmark import read_prompts
-    from elesium.inference.distill import build_prompts
-    from elesium.inference.profile import profile_path
-    from elesium.inference.tuning import tune
+    from elesium.inference.tuning.benchmark import read_prompts
+    from elesium.inference.training.distill import build_prompts
+    from elesium.inference.tuning.profile import profile_path
+    from elesium.inference.tuning.tuner import tune
 
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)

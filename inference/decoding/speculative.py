@@ -1,0 +1,138 @@
+"""Medusa tree speculative decoding: propose a tree, verify it in one forward, keep the best path.
+
+One step, starting from the pending token t0 (chosen but not yet in the cache) and the hidden state
+h of the last cached position:
+
+1. The heads read h and propose top-k tokens for positions +2, +3, ... past the cache: Medusa heads
+   one list per depth (computed inside the previous step), Hydra heads a list per drafted path,
+   expanded level by level from h and t0 (``HydraHeads.expand``). A Hydra drafter
+   (``feature_drafter.py``) first reads the positions the last step accepted and proposes level 1.
+2. The policy picks a tree of rank paths; node 0 is t0, every other node holds its path's draft.
+3. One forward writes every node into the cache at slots ``offset + node`` with position
+   ``offset + depth``, each attending to the prefix and its own ancestors.
+4. Verification walks the tree (greedy, exact sampling, or typical) to the longest accepted path
+   and draws the bonus token from the base model at its end.
+5. The accepted nodes' K/V move to contiguous slots; the path's tokens plus the bonus are
+   committed; the last accepted node's hidden state feeds the heads next step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from elesium.inference.decoding.drafts import DraftSet, ExpandedDrafts, FactoredDrafts
+from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_topk
+from elesium.inference.records import DecodeMode, StepRecord
+from elesium.inference.sampling import Sampler, SamplingParams
+from elesium.inference.decoding.tree import Tree
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.decoding.verify import Verdict, verify_greedy, verify_sampled, verify_typical
+
+
+class MedusaDecoder:
+    def __init__(self, runner: ForwardRunner, heads: torch.nn.Module, params: SamplingParams, sampler: Sampler,
+                 policy: TreePolicy, mode: DecodeMode = "medusa") -> None:
+        if mode not in ("medusa", "typical"):
+            raise ValueError(f"MedusaDecoder runs 'medusa' or 'typical', not {mode!r}")
+        self.runner = runner
+        self.model = runner.model
+        self.heads = heads
+        self.params = params
+        self.sampler = sampler
+        self.policy = policy
+        self.mode = mode
+        self.offset = 0
+        self.pending = -1
+        self.hidden: torch.Tensor | None = None
+        # Positions written since drafting last ran (Hydra): hidden states, the token after each, first slot.
+        self.rows: torch.Tensor | None = None
+        self.row_tokens: list[int] = []
+        self.row_start = 0
+        self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
+        self.steps = 0
+
+    def prefill(self, prompt_ids: list[int]) -> int:
+        hidden = self.runner.prefill(prompt_ids)
+        self.offset = len(prompt_ids)
+        self.hidden = hidden[-1]
+        self.pending = self.sampler.pick(self.model.logits(self.hidden), self.params)
+        if getattr(self.heads, "conditioned", False):
+            # Every prompt position but the last goes into the drafter now; the last pairs with the
+            # pending token and opens the first step's drafting.
+            self.runner.prefill_drafter(self.heads, hidden[:-1], prompt_ids[1:])
+            self.rows, self.row_tokens, self.row_start = hidden[-1:], [self.pending], self.offset - 1
+        return self.pending
+
+    def draft(self) -> DraftSet:
+        """This step's candidates, scored by log-probability over the draft temperature.
+
+        Dividing log-probabilities by the temperature is a monotone reshaping: it changes which
+        paths win across depths (the tree's shape), never the order among siblings.
+        """
+        k, temperature = self.policy.draft_topk(), self.policy.draft_temperature
+        if getattr(self.heads, "conditioned", False):
+            return self._expand(k, temperature)
+        if self.drafts is None:  # not fused into the last step: run the heads on the kept node
+            tokens, logprobs = draft_topk(self.model, self.heads, self.hidden, k)
+            self.drafts = (tokens.cpu(), logprobs.float().cpu())
+        tokens, logprobs = self.drafts
+        return FactoredDrafts(tokens[:, :k].tolist(), (logprobs[:, :k] / temperature).tolist())
+
+    def _expand(self, k: int, temperature: float) -> ExpandedDrafts:
+        """Hydra: one drafting pass from (h, t0), after the drafter (if any) reads the last step's
+        accepted positions; read back in one copy per output."""
+        width = self.policy.expand_width
+        tokens, logprobs, parents = self.runner.expand(self.heads, self.rows, self.row_tokens, self.row_start,
+                                                       width, k)
+        return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(), width,
+                                             temperature)
+
+    def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
+        """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
+        start = time.perf_counter()
+        draft_temperature = self.policy.draft_temperature
+        drafts = self.draft()
+        tree = self.policy.build(drafts)
+        if room is not None and tree.size > room:
+            tree = tree.truncated(room)
+        node_tokens = [self.pending] + [drafts.token(p) for p in tree.paths[1:]]
+        dev = self.runner.device
+        out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors(),
+                                 drafts=True)
+        verdict = self._verify(tree, node_tokens, out)
+        path = verdict.path
+        if path != list(range(len(path))):
+            src = torch.tensor([self.offset + n for n in path], device=dev)
+            dst = torch.arange(self.offset, self.offset + len(path), device=dev)
+            self.runner.cache.move(src, dst)
+        committed = [node_tokens[n] for n in path[1:]] + [verdict.bonus]
+        last = path[-1]
+        if getattr(self.heads, "conditioned", False):
+            # Accepted node i is followed by committed[i]: its child on the path, or the bonus.
+            self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))  # a copy: buffers are reused
+            self.row_tokens, self.row_start = committed, self.offset
+            self.hidden = self.rows[-1]
+        else:
+            self.hidden = out.hidden[last].clone()  # the runner's buffers are reused next step
+        self.offset += len(path)
+        self.drafts = None if out.draft_tokens is None else (
+            out.draft_tokens[last].cpu(), out.draft_logprobs[last].float().cpu())
+        self.pending = verdict.bonus
+        accepted_depth = len(path) - 1
+        record = StepRecord(
+            step=self.steps, mode=self.mode, tree_size=tree.size, tree_depth=tree.depth,
+            accepted_length=len(committed), accepted_nodes=tuple(path), tokens=tuple(committed),
+            accepted_by_depth=tuple(d <= accepted_depth for d in range(1, tree.depth + 1)),
+            draft_temperature=draft_temperature, elapsed_s=time.perf_counter() - start)
+        self.policy.observe(record)
+        self.steps += 1
+        return committed, record
+
+    def _verify(self, tree: Tree, node_tokens: list[int], out: StepOutputs) -> Verdict:
+        if self.params.greedy:
+            return verify_greedy(tree, node_tokens, out.greedy.tolist())
+        if self.mode == "typical":
+            return verify_typical(tree, node_tokens, out.logits, self.params, self.sampler)
+        return verify_sampled(tree, node_tokens, out.logits, self.params, self.sampler)

@@ -1,0 +1,109 @@
+"""An EAGLE-style first draft level: one decoder layer over every past position's feature.
+
+Why it exists. Hydra heads guess ``x_{t+2}`` from ``(h_t, x_{t+1})`` alone; on MT-Bench their head 1
+stops near 0.50 top-1 however long they train (HEADS.md). EAGLE (Li et al. 2024) reads the same two
+inputs at *every* earlier position and lets one causal attention layer look back over them:
+
+    f_t = Block(fc([h_t; e(x_{t+1})]))    attending over f-inputs at positions 0 .. t
+    x_{t+2} ~ lm_head(f_t)                 (the base model's frozen, shared lm_head)
+
+Here it replaces only the first draft level. The Hydra chain still drafts levels 2..K from its own
+head-1 state, so heads and drafter train independently and either can be swapped.
+
+Inference keeps the drafter's own one-layer KV cache, slot for slot beside the base model's: after
+each verification step the accepted nodes' hidden states, each paired with the token that followed
+it, are appended (``forward`` with an offset), and the last row's output drafts the next step's
+level 1. Rejected branches never enter it, so it needs no tree mask.
+
+Two paths compute the same function: ``forward`` (cached, any offset, CUDA-graph friendly: it is the
+base model's own ``Block``) and ``sequence`` (whole sequences at once with fused causal attention, for
+training and scoring). ``tests/test_feature_drafter.py`` holds them to each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elesium.inference.runtime.config import ModelConfig
+from elesium.inference.runtime.model import Block, Offset, apply_rope
+
+
+class FeatureDrafter(nn.Module):
+    """``fc`` (2H -> H) and one decoder layer shaped like the base model's (GQA, RoPE, SwiGLU)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layer_config = dataclasses.replace(config, num_layers=1)
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h)
+        self.layer = Block(self.layer_config)
+
+    @classmethod
+    def for_model(cls, base: ModelConfig, intermediate_size: int | None = None) -> FeatureDrafter:
+        """A drafter sized like one layer of ``base`` (optionally with a narrower MLP)."""
+        return cls(dataclasses.replace(base, intermediate_size=intermediate_size or base.intermediate_size))
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> FeatureDrafter:
+        """Rebuild from ``config()`` (a manifest's ``heads.drafter`` block)."""
+        if cfg.get("kind", "attention") != "attention":
+            raise ValueError(f"unknown drafter kind {cfg.get('kind')!r}; this version knows 'attention'")
+        return cls(ModelConfig(vocab_size=1, hidden_size=int(cfg["hidden_size"]),
+                               intermediate_size=int(cfg["intermediate_size"]), num_layers=1,
+                               num_heads=int(cfg["num_heads"]), num_kv_heads=int(cfg["num_kv_heads"]),
+                               head_dim=int(cfg["head_dim"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
+                               qkv_bias=bool(cfg.get("qkv_bias", False))))
+
+    def config(self) -> dict[str, Any]:
+        c = self.layer_config
+        return {"kind": "attention", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "rms_norm_eps": c.rms_norm_eps, "qkv_bias": c.qkv_bias}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, max_len: int, device: torch.device | str,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[1, kv_heads, max_len, head_dim]`` (batch 1), zeroed like ``KVCache``."""
+        c = self.layer_config
+        shape = (1, c.num_kv_heads, max_len, c.head_dim)
+        return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+
+    def inputs(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """``fc([h_t; e(x_{t+1})])`` in the drafter's dtype."""
+        e = model.embed(next_tokens)  # type: ignore[operator]
+        return self.fc(torch.cat([hidden.to(self.dtype), e.to(self.dtype)], dim=-1))
+
+    def forward(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset,
+                ancestors: torch.Tensor) -> torch.Tensor:
+        """Cached path: rows ``[B, N]`` go to slots ``offset...`` and attend to every slot before them
+        plus their ``ancestors`` (causal for the engine). Returns features ``[B, N, H]`` in ``hidden``'s dtype."""
+        cos = model.rope_cos[positions][None, None]  # type: ignore[index]
+        sin = model.rope_sin[positions][None, None]  # type: ignore[index]
+        x = self.inputs(model, hidden, next_tokens)
+        return self.layer(x, cos, sin, k_cache, v_cache, offset, ancestors, None).to(hidden.dtype)
+
+    def sequence(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Whole sequences ``[B, N]`` from position 0, no cache: ``forward``'s function, with fused causal
+        attention (and a backward pass) for training. Right padding is harmless: nothing looks ahead."""
+        c, blk = self.layer_config, self.layer
+        b, n, _ = hidden.shape
+        pos = torch.arange(n, device=hidden.device)
+        cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]  # type: ignore[index]
+        x = self.inputs(model, hidden, next_tokens)
+        q, k, v = blk.attn.wqkv(blk.attn_norm(x)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(b, n, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + blk.attn.wo(a.transpose(1, 2).reshape(b, n, c.q_size))
+        gate, up = blk.w13(blk.mlp_norm(x)).chunk(2, dim=-1)
+        return (x + blk.w2(F.silu(gate) * up)).to(hidden.dtype)

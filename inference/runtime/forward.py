@@ -1,0 +1,308 @@
+"""Running the model's forward for the decoders: eagerly, or replaying captured CUDA graphs.
+
+On an H200 an eager forward of a 30-layer model is ~15 ms of kernel launches for ~1 ms of work, so
+decode steps on CUDA replay graphs captured once per number of new tokens (a "bucket"). The graph
+path keeps every input in a static buffer and passes the cache offset as a device tensor; the eager
+path passes a Python int and attends over just the live cache slots. Both compute the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from elesium.inference.runtime.model import KVCache, Transformer
+
+PREFILL_CHUNK = 512
+T = TypeVar("T")
+DRAFT_TOPK = 10  # candidates per head computed in a fused step; trees use at most this many ranks
+
+
+@dataclass
+class StepOutputs:
+    """What one verification forward yields, all still on the model's device.
+
+    ``draft_tokens`` / ``draft_logprobs`` (``[N, heads, DRAFT_TOPK]``) are the heads' proposals at
+    every node, present when the runner fuses drafting into the step (CUDA graphs): the next
+    step's drafts are then a row lookup at the accepted node instead of another round of launches.
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    greedy: torch.Tensor
+    draft_tokens: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
+
+
+def draft_topk(model: Transformer, heads: nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heads' top-k tokens and log-probabilities, ``[..., heads, k]``, for hidden states ``[..., H]``."""
+    logits = model.logits(heads(hidden)).movedim(0, -2)  # [..., heads, V]
+    top = torch.topk(logits, k, dim=-1)
+    return top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def draft_tree(model: Transformer, heads: nn.Module, rows: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor,
+               last: torch.Tensor, width: int, topk: int,
+               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
+
+    ``rows`` ``[R, H]`` are the hidden states of the positions written since the drafter last ran
+    (the accepted nodes, at slots ``start...``), ``tokens`` ``[R]`` the token that followed each; row
+    ``last`` (a ``[1]`` index tensor) is ``h_t`` and its token the chosen ``x_{t+1}``. Rows past
+    ``last`` are padding (the CUDA graph runs a fixed R): they write drafter slots that the next
+    call overwrites, and causal attention keeps them out of the real rows. With an ``int`` start
+    this runs eagerly over the live slots; with a 0-d tensor it is static for capture.
+    """
+    drafter = getattr(heads, "drafter", None)
+    first = None
+    if drafter is not None:
+        if drafter_cache is None:
+            raise ValueError("these heads carry a drafter, but no drafter cache was given")
+        r = rows.shape[0]
+        # Clamp only matters for padding rows at the very end of the context.
+        positions = (start + torch.arange(r, device=rows.device)).clamp(max=model.rope_cos.shape[0] - 1)
+        feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
+        first = feats.index_select(0, last)
+    hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
+    return heads.expand(model, hidden, token, width, topk, first)  # type: ignore[operator]
+
+
+class ForwardRunner:
+    """Eager forwards over one KV cache (batch 1), plus the heads' drafter cache when they carry one."""
+
+    def __init__(self, model: Transformer, cache: KVCache, heads: nn.Module | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.heads: nn.Module | None = None
+        self.drafter_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        ForwardRunner.set_heads(self, heads)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def draft_rows(self) -> int:
+        """Most rows one drafting call takes: a step accepts at most one node per level plus the root."""
+        return 1 if self.heads is None else self.heads.num_heads + 1  # type: ignore[operator]
+
+    def set_heads(self, heads: nn.Module | None) -> None:
+        self.heads = heads
+        drafter = getattr(heads, "drafter", None)
+        # Slack past the context for the graph runner's padding rows.
+        self.drafter_cache = None if drafter is None else drafter.new_cache(
+            self.cache.max_len + self.draft_rows, self.device, drafter.dtype)
+
+    def prefill_drafter(self, heads: nn.Module, hidden: torch.Tensor, next_tokens: list[int], start: int = 0) -> None:
+        """Write prompt rows into the drafter cache: ``hidden[i]`` (slot ``start + i``) paired with
+        ``next_tokens[i]``, the token after it. A no-op for heads without a drafter."""
+        drafter = getattr(heads, "drafter", None)
+        if drafter is None or not next_tokens:
+            return
+        if heads is not self.heads or self.drafter_cache is None:
+            raise ValueError("the drafter's cache belongs to the runner's own heads")
+        tokens = torch.tensor(next_tokens, device=self.device)
+        for lo in range(0, len(next_tokens), PREFILL_CHUNK):
+            hi = min(lo + PREFILL_CHUNK, len(next_tokens))
+            positions = torch.arange(start + lo, start + hi, device=self.device)
+            drafter(self.model, hidden[None, lo:hi], tokens[None, lo:hi], positions, *self.drafter_cache,
+                    start + lo, self.model.causal(hi - lo))
+
+    @property
+    def fuses_drafts(self) -> bool:
+        """Whether verification steps also compute the next step's drafts (Medusa heads only: Hydra
+        heads need the bonus token, which is chosen after the step)."""
+        return self.heads is not None and not getattr(self.heads, "conditioned", False)
+
+    def expand(self, heads: nn.Module, rows: torch.Tensor, tokens: list[int], start: int, width: int,
+               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hydra heads' candidate tree (``draft_tree``): ``rows`` ``[R, H]`` are the positions written
+        since the last call, from slot ``start``; ``tokens`` the token after each, the last being the
+        chosen ``x_{t+1}``."""
+        if getattr(heads, "drafter", None) is not None and heads is not self.heads:
+            raise ValueError("the drafter's cache belongs to the runner's own heads")
+        dev = self.device
+        return draft_tree(self.model, heads, rows, torch.tensor(tokens, device=dev), start,
+                          torch.tensor([len(tokens) - 1], device=dev), width, topk, self.drafter_cache)
+
+    def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
+
+        Long prompts go in chunks so the attention mask stays ``[chunk, prefix + chunk]``.
+        """
+        outs = []
+        for lo in range(0, len(prompt_ids), PREFILL_CHUNK):
+            chunk = prompt_ids[lo:lo + PREFILL_CHUNK]
+            tokens = torch.tensor([chunk], device=self.device)
+            positions = torch.arange(start + lo, start + lo + len(chunk), device=self.device)
+            outs.append(self.model(tokens, positions, self.cache, start + lo)[0])
+        return torch.cat(outs)
+
+    def step_outputs(self, tokens: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor | None,
+                     offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:
+        """The step's whole device computation; the graph runner captures exactly this."""
+        hidden = self.model(tokens, positions, self.cache, offset, ancestors)[0]
+        if not (with_drafts and self.heads is not None):
+            logits = self.model.logits(hidden)
+            return StepOutputs(hidden, logits, logits.argmax(-1))
+        # One lm_head product for the nodes and every head at every node: the 49k x H weight is
+        # read once, which is most of its cost on a CPU and one launch fewer on a GPU.
+        n = hidden.shape[0]
+        drafted = self.heads(hidden)  # [K, N, H]
+        every = self.model.logits(torch.cat([hidden, drafted.flatten(0, 1)]))
+        logits = every[:n]
+        head_logits = every[n:].view(drafted.shape[0], n, -1).movedim(0, 1)  # [N, K, V]
+        top = torch.topk(head_logits, DRAFT_TOPK, dim=-1)
+        return StepOutputs(hidden, logits, logits.argmax(-1), top.indices,
+                           top.values - torch.logsumexp(head_logits, dim=-1, keepdim=True))
+
+    def decode(self, tokens: list[int], positions: list[int], offset: int,
+               ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
+        """One verification forward of N tokens at cache slots ``offset...``.
+
+        Inputs arrive as host values (the decoders build trees on the CPU); each runner moves them to
+        the device its own way. ``drafts`` also returns every node's head proposals (when heads are
+        attached); vanilla decoding leaves it off and pays nothing for the heads.
+        """
+        return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
+                                 with_drafts=drafts and self.fuses_drafts)
+
+    def _device_inputs(self, tokens: list[int], positions: list[int],
+                       ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        dev = self.device
+        return (torch.tensor([tokens], device=dev), torch.tensor(positions, device=dev),
+                None if ancestors is None else ancestors.to(dev))
+
+
+class CudaGraphRunner(ForwardRunner):
+    """Replays one captured CUDA graph per bucket of N; falls back to eager for larger N.
+
+    A call with N new tokens runs the smallest bucket >= N; the extra rows are padding nodes that
+    see only themselves, write their K/V past the real nodes (overwritten next step) and are sliced
+    off the outputs.
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache, heads: nn.Module | None = None,
+                 buckets: tuple[int, ...] = (1,)) -> None:
+        super().__init__(model, cache, heads)
+        self.buckets = tuple(sorted(set(buckets)))
+        # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
+        self._expanders: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor],
+                                                     tuple[torch.Tensor, ...]]] = {}
+        self._pool = None
+
+    def set_heads(self, heads: nn.Module | None) -> None:
+        """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
+        super().set_heads(heads)
+        self._graphs.clear()
+        self._expanders.clear()
+
+    @torch.inference_mode()
+    def expand(self, heads: nn.Module, rows: torch.Tensor, tokens: list[int], start: int, width: int,
+               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the drafting graph for (width, topk): the drafter and K levels become one replay.
+
+        The graph runs ``draft_rows`` rows, the real ones first. Like the step graphs it is captured
+        on the call's real inputs, because warm-up really writes the drafter's cache. Heads other
+        than the runner's own run eagerly.
+        """
+        r_max, n = self.draft_rows, len(tokens)
+        if heads is not self.heads or n > r_max:
+            return super().expand(heads, rows, tokens, start, width, topk)
+        key = (width, topk)
+        captured = self._expanders.get(key)
+        io = captured[1] if captured else {
+            "rows": torch.zeros(r_max, rows.shape[-1], dtype=rows.dtype, device=self.device),
+            "staging": torch.zeros(r_max + 2, dtype=torch.long).pin_memory(),
+            "ints": torch.zeros(r_max + 2, dtype=torch.long, device=self.device)}
+        io["rows"][:n].copy_(rows)
+        staging = io["staging"]  # tokens | start | last; safe to reuse: the last results were read back
+        staging.zero_()
+        staging[:n] = torch.tensor(tokens)
+        staging[r_max], staging[r_max + 1] = start, n - 1
+        io["ints"].copy_(staging, non_blocking=True)
+        if captured is None:
+            ints = io["ints"]
+
+            def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return draft_tree(self.model, self.heads, io["rows"], ints[:r_max], ints[r_max],  # type: ignore[arg-type]
+                                  ints[r_max + 1:], width, topk, self.drafter_cache)
+
+            graph, outs = self._record(body)
+            captured = self._expanders[key] = (graph, io, outs)
+        graph, _, outs = captured
+        graph.replay()
+        return outs
+
+    def _capture(self, n: int, first: torch.Tensor,
+                 drafts: bool) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]:
+        """Capture bucket ``n``, with ``first`` (the staging layout) holding the call's real inputs.
+
+        Warm-up and capture really execute the step, cache writes included. With placeholder inputs
+        they would write junk K/V over live slots (slot 0 onwards), so they run on the step that
+        is about to run anyway: its writes are exactly the ones the replay makes again.
+        """
+        dev = self.device
+        # Every per-step input lives in one int64 buffer (tokens | positions | offset | ancestor rows),
+        # filled by a single asynchronous copy from pinned host memory.
+        io = {"staging": first.pin_memory(), "device": first.to(dev)}
+        buf = io["device"]
+
+        def body() -> StepOutputs:
+            tokens = buf[:n].view(1, n)
+            positions = buf[n:2 * n]
+            offset = buf[2 * n]
+            ancestors = buf[2 * n + 1:].view(n, n).bool()
+            return self.step_outputs(tokens, positions, ancestors, offset, with_drafts=drafts)
+
+        graph, out = self._record(body)
+        return graph, io, out
+
+    def _record(self, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """Warm ``body`` up on a side stream (allocator, kernel selection; as torch's docs prescribe),
+        then capture it into a graph sharing the runner's memory pool."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = body()
+        self._pool = graph.pool()
+        return graph, out
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int], offset: int,
+               ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
+        n = len(tokens)
+        drafts = drafts and self.fuses_drafts
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None or offset + bucket > self.cache.max_len:
+            return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset, with_drafts=drafts)
+        key = (bucket, drafts)
+        captured = self._graphs.get(key)
+        staging = captured[1]["staging"] if captured else torch.zeros(2 * bucket + 1 + bucket * bucket, dtype=torch.long)
+        # Safe to overwrite: the previous step's results were read back (a sync) before this call.
+        staging[:n] = torch.tensor(tokens)
+        staging[bucket:bucket + n] = torch.tensor(positions)
+        staging[2 * bucket] = offset
+        rows = staging[2 * bucket + 1:].view(bucket, bucket)
+        rows.zero_()
+        rows.diagonal().fill_(1)  # padding nodes see only themselves
+        rows[:n, :n] = ancestors if ancestors is not None else self.model.causal(n).cpu()
+        if captured is None:
+            captured = self._graphs[key] = self._capture(bucket, staging, drafts)
+        graph, io, out = captured
+        io["device"].copy_(io["staging"], non_blocking=True)
+        graph.replay()
+        # Views into static buffers: valid until the next replay of this bucket.
+        return StepOutputs(out.hidden[:n], out.logits[:n], out.greedy[:n],
+                           None if out.draft_tokens is None else out.draft_tokens[:n],
+                           None if out.draft_logprobs is None else out.draft_logprobs[:n])

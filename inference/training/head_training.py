@@ -1,0 +1,396 @@
+"""Train Medusa heads on the base model's own outputs; score them against its greedy continuations.
+
+``train`` reads top to bottom like nanoGPT's train.py: config, base model, data (self-distillation,
+``distill.py``), hidden-state cache, heads, optimiser, loop (progress bar, periodic held-out eval,
+resumable checkpoints), final evaluation, shipped weights + manifest.
+
+Targets. The cache holds, for every position t of every answer (from the last prompt token on), the
+base model's final-norm hidden state ``h_t`` and the token that followed, ``x_{t+1}``. Head k
+(0-based) at t must predict ``x_{t+k+2}``, which is the stored next token of row ``t+k+1``; its KL
+target is the base model's own distribution at ``t+k+1``, ``softmax(lm_head(h_{t+k+1}))``, which costs
+one frozen projection instead of storing 49k-wide distributions. Loss = sum_k decay^k * loss_k.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
+from elesium.inference.training.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
+from elesium.inference.training.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
+from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.storage import Scheme, round_trip
+from elesium.inference.drafters.files import build_heads, read_manifest, save_heads
+from elesium.inference.drafters.hydra import DraftHeads
+from elesium.inference.runtime.model import Transformer
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainConfig:
+    """Plain values, nanoGPT style; every field is a ``train-heads`` flag.
+
+    These defaults are a small, fast Medusa recipe for library use and tests; the CLI's defaults are
+    the shipped heads' recipe (``elesium/commands/train_heads.py``).
+    """
+
+    out: Path = Path("heads-out")
+    data: Path | None = None          # distillation JSONL; None: generate it (and save to out/)
+    prompts: int = 3000               # prompts to generate when data is None
+    distill_only: bool = False        # stop after writing out/distill.jsonl.gz
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    gen_batch: int = 64
+    num_heads: int = 4
+    num_layers: int = 1
+    kind: str = "medusa"              # "medusa" or "hydra" (heads that also read the drafted tokens)
+    conditioning: str = "concat"      # hydra only: "concat" (Hydra's) or "chain" (recurrent)
+    loss: str = "kl"                  # "kl" (to the base distribution) or "ce" (to the sampled token)
+    decay: float = 0.8                # lambda: head k's loss weight is decay**k
+    steps: int = 2000
+    batch_size: int = 2048            # positions per step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.0
+    eval_every: int = 250
+    ckpt_every: int = 500
+    val_fraction: float = 0.03
+    seed: int = 0
+    resume: bool = False
+    time_budget_s: float | None = None  # stop the loop early (and still save) past this many seconds
+    eval_prompts: Path | None = None    # e.g. MT-Bench; scored at the end with eval_max_tokens
+    eval_max_tokens: int = 256
+    save_dtype: str = "float16"
+    storage: Scheme = "float"           # weight matrices on disk: float (save_dtype), int8, int4 or mixed
+    drafter: str = "none"               # "attention": also train feature_drafter.py's level-1 drafter (hydra only)
+    drafter_steps: int = 3000
+    drafter_batch: int = 32             # whole sequences per drafter step
+    drafter_lr: float = 1e-3
+    drafter_intermediate: int | None = None  # the drafter layer's MLP width (None: the base model's)
+    command: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HiddenCache:
+    """Rows are answer positions: ``hidden[i] = h_t``, ``next_token[i] = x_{t+1}``, ``seq[i]`` = sequence."""
+
+    hidden: torch.Tensor      # [T, H] in the model dtype
+    next_token: torch.Tensor  # [T] long
+    seq: torch.Tensor         # [T] long
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def path_tokens(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """``[B, k]``: ``x_{t+1} ... x_{t+k}`` for each row t (clamped at the end; mask with target_rows)."""
+        j = (rows[:, None] + torch.arange(k, device=rows.device)).clamp(max=len(self) - 1)
+        return self.next_token[j]
+
+    def target_rows(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row of head k's target, valid) for 0-based head ``k``: row ``i + k + 1`` of the same sequence."""
+        j = rows + k + 1
+        inside = j < len(self)
+        j = j.clamp(max=len(self) - 1)
+        return j, inside & (self.seq[j] == self.seq[rows])
+
+
+@torch.inference_mode()
+def cache_hidden_states(model: Transformer, sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+                        batch_size: int = 32) -> HiddenCache:
+    """Teacher-forced forward over (prompt, answer) pairs; keep rows t = P-1 .. L-2 (t+1 is an answer token).
+
+    Right padding needs no mask: causal attention never looks ahead into the padding.
+    """
+    dev = model.device
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
+    hiddens, nexts, seqs, owners = [], [], [], []
+    for lo in range(0, len(order), batch_size):
+        idx = [i for i in order[lo:lo + batch_size] if len(sequences[i][1]) > 0]
+        if not idx:
+            continue
+        full = [list(sequences[i][0]) + list(sequences[i][1]) for i in idx]
+        width = max(len(f) for f in full)
+        tokens = torch.zeros(len(idx), width, dtype=torch.long)
+        for b, f in enumerate(full):
+            tokens[b, :len(f)] = torch.tensor(f)
+        tokens = tokens.to(dev)
+        hidden = model(tokens, torch.arange(width, device=dev), model.new_cache(width, len(idx)), 0)
+        for b, i in enumerate(idx):
+            p, n = len(sequences[i][0]), len(full[b])
+            hiddens.append(hidden[b, p - 1:n - 1])
+            nexts.append(tokens[b, p:n])
+            seqs.append(torch.full((n - p,), i, dtype=torch.long, device=dev))
+            owners.append(i)
+    if not hiddens:
+        raise ValueError("no answer tokens to train or score on")
+    # Restore sequence order so that row i + 1 is the next position of the same sequence.
+    perm = sorted(range(len(seqs)), key=owners.__getitem__)
+    return HiddenCache(torch.cat([hiddens[j] for j in perm]), torch.cat([nexts[j] for j in perm]),
+                       torch.cat([seqs[j] for j in perm]))
+
+
+def head_losses(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor, loss: str,
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per head: mean loss, top-1 hits and top-5 hits over the valid rows (hits are 0/1 per row, valid only).
+
+    Hydra heads are teacher-forced on the data's own tokens: head k reads ``x_{t+1} ... x_{t+k+1}``
+    (a row whose target is valid has all of them in its sequence).
+    """
+    out = heads.teacher_forced(model, cache.hidden[rows], cache.path_tokens(rows, heads.num_heads))  # [K, B, H]
+    losses, top1, top5 = [], [], []
+    for k in range(heads.num_heads):
+        j, valid = cache.target_rows(rows, k)
+        logits = model.logits(out[k][valid])
+        target = cache.next_token[j][valid]
+        if loss == "kl":
+            with torch.no_grad():
+                teacher = torch.log_softmax(model.logits(cache.hidden[j][valid]), dim=-1)
+            student = torch.log_softmax(logits, dim=-1)
+            per_row = (teacher.exp() * (teacher - student)).sum(-1)
+        elif loss == "ce":
+            per_row = F.cross_entropy(logits, target, reduction="none")
+        else:
+            raise ValueError(f"unknown loss {loss!r}; use kl or ce")
+        losses.append(per_row.mean() if per_row.numel() else logits.sum() * 0)
+        with torch.no_grad():
+            best = logits.topk(5, dim=-1).indices
+            top1.append((best[:, 0] == target).float())
+            top5.append((best == target[:, None]).any(-1).float())
+    return losses, top1, top5
+
+
+@torch.no_grad()
+def evaluate(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor | None = None,
+             loss: str = "ce", chunk: int = 4096) -> list[dict[str, float]]:
+    """Per-head loss / top-1 / top-5 over ``rows`` (default: all), in chunks."""
+    rows = torch.arange(len(cache), device=cache.hidden.device) if rows is None else rows
+    sums = [[0.0, 0.0, 0.0, 0] for _ in range(heads.num_heads)]
+    for lo in range(0, rows.numel(), chunk):
+        losses, top1, top5 = head_losses(heads, model, cache, rows[lo:lo + chunk], loss)
+        for k in range(heads.num_heads):
+            n = top1[k].numel()
+            sums[k][0] += float(losses[k]) * n
+            sums[k][1] += float(top1[k].sum())
+            sums[k][2] += float(top5[k].sum())
+            sums[k][3] += n
+    return [{"head": k + 1, "loss": s[0] / max(s[3], 1), "top1": s[1] / max(s[3], 1),
+             "top5": s[2] / max(s[3], 1), "positions": s[3]} for k, s in enumerate(sums)]
+
+
+def score_prompts(model: Transformer, tokenizer: Any, heads: DraftHeads, prompts: Sequence[str],
+                  max_tokens: int = 256, batch_size: int = 16) -> dict[str, Any]:
+    """Each head's top-1/top-5 against the base model's own greedy continuation of ``prompts``."""
+    ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    answers = generate_all(model, ids, max_tokens, eos_ids=tokenizer.eos_ids, batch_size=batch_size)
+    cache = cache_hidden_states(model, list(zip(ids, answers)), batch_size=batch_size)
+    per_head = evaluate(heads, model, cache, loss="ce")
+    rows = [{"head": h["head"], "top1": round(h["top1"], 4), "top5": round(h["top5"], 4),
+             "positions": h["positions"]} for h in per_head]
+    result: dict[str, Any] = {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
+    drafter = getattr(heads, "drafter", None)
+    if drafter is not None:  # the engine drafts level 1 with the drafter: that is head 1's score
+        d = score_drafter(drafter, model, list(zip(ids, answers)), batch_size=batch_size)
+        result["mlp_head1"] = rows[0]
+        rows[0] = {"head": 1, "top1": round(d["top1"], 4), "top5": round(d["top5"], 4),
+                   "positions": d["positions"], "source": "drafter"}
+    return result
+
+
+def read_eval_prompts(path: str | Path) -> list[str]:
+    """Prompts from JSONL with a ``prompt`` field, or MT-Bench style ``turns`` (first turn)."""
+    prompts = []
+    for n, rec in enumerate(read_jsonl(path), 1):
+        text = rec.get("prompt") or (rec.get("turns") or [None])[0]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}: line {n} has neither a 'prompt' string nor a non-empty 'turns' list")
+        prompts.append(text)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr``."""
+    return cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+
+
+def hardware() -> dict[str, str]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"device": gpu or f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
+    """Run the whole recipe; return the manifest written next to the heads in ``cfg.out``.
+
+    With ``cfg.distill_only`` stop once the data file exists and return ``{"data": path}``: the data
+    is reused by the next run on the same ``out``, so a long recipe can be split across calls.
+    """
+    from tqdm import tqdm
+
+    if cfg.distill_only and cfg.data is not None:
+        raise ValueError("--distill-only writes OUT/distill.jsonl.gz; with --data there is nothing to distil")
+    if cfg.drafter not in ("none", "attention"):
+        raise ValueError(f"unknown drafter {cfg.drafter!r}; use attention or none")
+    if cfg.drafter != "none" and cfg.kind != "hydra":
+        raise ValueError("the attention drafter drafts level 1 for hydra heads; use --kind hydra or --drafter none")
+    t0 = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer, sha = engine.model, engine.tokenizer, engine.weights_info.sha256
+    dev = model.device
+
+    # -- data: the base model answers our prompts (or a saved distillation file) -------------------
+    data_path = cfg.data or cfg.out / "distill.jsonl.gz"
+    if cfg.data is None and not data_path.exists():
+        prompts = build_prompts(cfg.prompts, seed=cfg.seed)
+        log(f"distilling: {len(prompts)} prompts x temperatures {list(cfg.temperatures)}, "
+            f"<= {cfg.max_new_tokens} new tokens, batch {cfg.gen_batch}")
+        with tqdm(total=len(prompts) * len(cfg.temperatures), desc="distill", mininterval=5) as bar:
+            records = distill(model, tokenizer, prompts, model_sha256=sha, max_new_tokens=cfg.max_new_tokens,
+                              temperatures=cfg.temperatures, seed=cfg.seed, batch_size=cfg.gen_batch,
+                              progress=bar.update)
+        write_jsonl(data_path, records)
+        log(f"distilled in {time.monotonic() - t0:.0f}s -> {data_path}")
+    if cfg.distill_only:
+        return {"data": str(data_path)}
+    records = list(read_jsonl(data_path))
+    foreign = {r.get("model_sha256") for r in records} - {sha}
+    if foreign:
+        raise ValueError(f"{data_path} was generated by base model(s) {sorted(foreign)}, not the loaded {sha}")
+
+    # -- held-out split by prompt id (both samples of a prompt stay on one side) -------------------
+    ids = sorted({r["id"] for r in records})
+    random.Random(cfg.seed).shuffle(ids)
+    val_ids = set(ids[:max(1, int(len(ids) * cfg.val_fraction))])
+    split = {"train": [r for r in records if r["id"] not in val_ids], "val": [r for r in records if r["id"] in val_ids]}
+    caches = {name: cache_hidden_states(model, [(r["prompt_ids"], r["response_ids"]) for r in rs],
+                                        batch_size=cfg.gen_batch)
+              for name, rs in split.items()}
+    train_cache, val_cache = caches["train"], caches["val"]
+    log(f"cached hidden states: {len(train_cache):,} train / {len(val_cache):,} held-out positions "
+        f"({time.monotonic() - t0:.0f}s)")
+
+    # -- heads, optimiser, checkpoint ---------------------------------------------------------------
+    heads = build_heads({"kind": cfg.kind, "hidden_size": model.config.hidden_size, "num_heads": cfg.num_heads,
+                         "num_layers": cfg.num_layers, "conditioning": cfg.conditioning}).to(dev)
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    ckpt_path = cfg.out / "ckpt.pt"
+    step, history = 0, []
+    if cfg.resume and ckpt_path.exists():
+        step, history = load_checkpoint(ckpt_path, "heads", heads, opt, dev)
+        log(f"resumed from {ckpt_path} at step {step}")
+
+    def save_ckpt() -> None:
+        save_checkpoint(ckpt_path, "heads", heads, opt, step, history,
+                        config={k: str(v) for k, v in asdict(cfg).items()})
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    weights = [cfg.decay ** k for k in range(cfg.num_heads)]
+
+    # -- training loop --------------------------------------------------------------------------------
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train ({cfg.loss})", mininterval=5)
+    while step < cfg.steps:
+        if cfg.time_budget_s is not None and time.monotonic() - t0 > cfg.time_budget_s:
+            log(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}; stopping early")
+            break
+        # The batch depends only on (seed, step): a resumed run draws exactly the same batches.
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        rows = torch.randint(len(train_cache), (cfg.batch_size,), generator=gen).to(dev)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with autocast:
+            losses, _, _ = head_losses(heads, model, train_cache, rows, cfg.loss)
+        total = sum(w * loss for w, loss in zip(weights, losses))
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(total.detach()):.3f}", lr=f"{lr_at(step - 1, cfg):.2e}", refresh=False)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with autocast:
+                held = evaluate(heads, model, val_cache)
+            history.append({"step": step, "train_loss": float(total.detach()), "held_out": held})
+            log(f"step {step}: " + "  ".join(f"h{h['head']} {h['top1']:.3f}/{h['top5']:.3f}" for h in held))
+        if step % cfg.ckpt_every == 0:
+            save_ckpt()
+    bar.close()
+    save_ckpt()
+    drafter: FeatureDrafter | None = None
+    drafter_block: dict[str, Any] = {}
+    if cfg.drafter == "attention":
+        torch.manual_seed(cfg.seed)
+        drafter = FeatureDrafter.for_model(model.config, cfg.drafter_intermediate).to(dev)
+        dcfg = DrafterConfig(steps=cfg.drafter_steps, batch=cfg.drafter_batch, lr=cfg.drafter_lr,
+                             warmup=min(cfg.warmup, cfg.drafter_steps), eval_every=cfg.eval_every,
+                             ckpt_every=cfg.ckpt_every, seed=cfg.seed, resume=cfg.resume)
+        drafter_block = train_drafter(
+            drafter, model, [list(r["prompt_ids"]) + list(r["response_ids"]) for r in split["train"]],
+            [(r["prompt_ids"], r["response_ids"]) for r in split["val"]], dcfg, cfg.out, autocast,
+            deadline=None if cfg.time_budget_s is None else t0 + cfg.time_budget_s, log=log)
+    train_s = time.monotonic() - t0
+
+    # -- final evaluation, of the weights exactly as shipped (save_dtype, storage), and the artefact --
+    save_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.save_dtype]
+    heads = heads.to(save_dtype).eval()
+    if cfg.storage != "float":
+        heads.load_state_dict(round_trip(heads.state_dict(), cfg.storage, save_dtype))
+    held = evaluate(heads, model, val_cache)
+    eval_block: dict[str, Any] = {"held_out": held}
+    if drafter is not None:
+        val_pairs = [(r["prompt_ids"], r["response_ids"]) for r in split["val"]]
+        with autocast:
+            unquantised = score_drafter(drafter, model, val_pairs)
+        drafter = drafter.to(save_dtype).eval().requires_grad_(False)
+        if cfg.storage != "float":
+            drafter.load_state_dict(round_trip(drafter.state_dict(), cfg.storage, save_dtype))
+        heads.drafter = drafter
+        eval_block["held_out_drafter"] = {"as_stored": score_drafter(drafter, model, val_pairs),
+                                          "before_storage": unquantised}
+        log("held-out head 1 (drafter): " + "  ".join(
+            f"{k} {v['top1']:.3f}/{v['top5']:.3f}" for k, v in eval_block["held_out_drafter"].items()))
+    if cfg.eval_prompts is not None:
+        result = score_prompts(model, tokenizer, heads, read_eval_prompts(cfg.eval_prompts), cfg.eval_max_tokens,
+                               batch_size=max(1, min(cfg.gen_batch, 80)))
+        eval_block["prompts"] = {"file": Path(cfg.eval_prompts).name, "max_tokens": cfg.eval_max_tokens, **result}
+        log(f"{Path(cfg.eval_prompts).name}: " + "  ".join(
+            f"h{h['head']} {h['top1']:.3f}/{h['top5']:.3f}" for h in result["heads"]))
+    tasks: dict[str, int] = {}
+    for r in records:
+        tasks[r.get("task", "?")] = tasks.get(r.get("task", "?"), 0) + 1
+    manifest = {
+        "base_model": {"sha256": sha, "file": Path(str(engine.weights_info.source)).name,
+                       "dtype_during_training": str(model.dtype).removeprefix("torch.")},
+        "heads": {"vocab_size": model.config.vocab_size, "hidden_state": "final-norm output of Transformer.forward",
+                  "output_layer": "base model lm_head (shared, frozen)"},
+        "training": {
+            "loss": cfg.loss, "decay": cfg.decay, "steps": step, "batch_size": cfg.batch_size, "lr": cfg.lr,
+            "warmup": cfg.warmup, "schedule": "linear warmup + cosine", "optimizer": "AdamW(0.9, 0.95)",
+            "weight_decay": cfg.weight_decay, "seed": cfg.seed, "elapsed_s": round(train_s, 1),
+            "data": {"file": data_path.name, "prompts": len(ids), "sequences": len(records),
+                     "train_positions": len(train_cache), "held_out_positions": len(val_cache),
+                     "temperatures": sorted({r["sampling"]["temperature"] for r in records}),
+                     "max_new_tokens": max(r["sampling"]["max_new_tokens"] for r in records),
+                     "tasks": dict(sorted(tasks.items())), "prompt_source": "elesium/data/distill_templates.jsonl "
+                     "(not MT-Bench)", "created": records[0].get("created") if records else None},
+            **({"drafter": drafter_block} if drafter is not None else {}),
+        },
+        "eval": eval_block, "history": history, "command": cfg.command, "hardware": hardware(), **cfg.extra,
+    }
+    save_heads(heads, cfg.out, manifest, storage=cfg.storage)
+    log(f"wrote {cfg.out / 'heads.safetensors'} and manifest.json ({time.monotonic() - t0:.0f}s total)")
+    return read_manifest(cfg.out)
