@@ -20,7 +20,7 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +43,12 @@ class AcceptanceEntry(BaseModel):
             restarts at 0 for each generation).
         record: what the engine proposed and kept.
         entry_id: the stream id, set on entries read back; None on entries not yet appended.
+        kind: "step" (a decode step) or "call" (one per LLM call of a workflow, written before its
+            steps: ``record`` is then the prefill, which commits the call's first token, and
+            ``tokens`` the call's whole output). Entries written before workflows existed are steps.
+        call_index: the LLM call's index among its node's calls in the run (None outside workflows).
+        call_seed: the call's sampling seed, derived from (run seed, node, call index).
+        tokens: on "call" entries, every token id the call produced, in order.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -52,16 +58,29 @@ class AcceptanceEntry(BaseModel):
     step_id: int = Field(ge=0)
     record: StepRecord
     entry_id: str | None = None
+    kind: Literal["step", "call"] = "step"
+    call_index: int | None = Field(default=None, ge=0)
+    call_seed: int | None = None
+    tokens: tuple[int, ...] | None = None
 
     def to_fields(self) -> dict[str, str]:
         """The stream entry's fields: flat, readable in ``redis-cli XRANGE``."""
-        return {
+        fields = {
             "v": _SCHEMA,
             "run_id": self.run_id,
             "node_id": self.node_id,
             "step_id": str(self.step_id),
             "record": json.dumps(self.record.to_dict(), separators=(",", ":")),
         }
+        if self.kind != "step":
+            fields["kind"] = self.kind
+        if self.call_index is not None:
+            fields["call_index"] = str(self.call_index)
+        if self.call_seed is not None:
+            fields["call_seed"] = str(self.call_seed)
+        if self.tokens is not None:
+            fields["tokens"] = json.dumps(list(self.tokens), separators=(",", ":"))
+        return fields
 
     @classmethod
     def from_fields(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> AcceptanceEntry:
@@ -72,6 +91,10 @@ class AcceptanceEntry(BaseModel):
             step_id=int(text["step_id"]),
             record=StepRecord.from_dict(json.loads(text["record"])),
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            kind=text.get("kind", "step"),
+            call_index=int(text["call_index"]) if "call_index" in text else None,
+            call_seed=int(text["call_seed"]) if "call_seed" in text else None,
+            tokens=tuple(json.loads(text["tokens"])) if "tokens" in text else None,
         )
 
 
@@ -216,8 +239,8 @@ class AcceptanceLog:
         accepted: list[int] = []
         reached: list[int] = []
         for entry in self.iter_entries(run_id):
-            if node_id is not None and entry.node_id != node_id:
-                continue
+            if entry.kind != "step" or (node_id is not None and entry.node_id != node_id):
+                continue  # a call's prefill entry is not a verification step: it would skew tau
             rec = entry.record
             steps += 1
             tokens += rec.accepted_length

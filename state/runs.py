@@ -9,8 +9,9 @@ run between status indexes atomically.
 All registry keys share the ``{registry}`` hash tag: a script may only touch one cluster slot, and
 run metadata is a few small writes per run, so one slot is not a hot spot.
 
-Lifecycle: pending -> running | cancelled | failed; running -> succeeded | failed | cancelled.
-succeeded, failed and cancelled are final.
+Lifecycle: pending -> running | cancelled | failed; running -> succeeded | failed | cancelled |
+interrupted; interrupted (waiting for a human at a LangGraph ``interrupt``) -> running | cancelled |
+failed. succeeded, failed and cancelled are final.
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ class RunStatus(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
 
 
 ALLOWED_FROM: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.PENDING: frozenset(),
-    RunStatus.RUNNING: frozenset({RunStatus.PENDING}),
+    RunStatus.RUNNING: frozenset({RunStatus.PENDING, RunStatus.INTERRUPTED}),
     RunStatus.SUCCEEDED: frozenset({RunStatus.RUNNING}),
-    RunStatus.FAILED: frozenset({RunStatus.PENDING, RunStatus.RUNNING}),
-    RunStatus.CANCELLED: frozenset({RunStatus.PENDING, RunStatus.RUNNING}),
+    RunStatus.FAILED: frozenset({RunStatus.PENDING, RunStatus.RUNNING, RunStatus.INTERRUPTED}),
+    RunStatus.CANCELLED: frozenset({RunStatus.PENDING, RunStatus.RUNNING, RunStatus.INTERRUPTED}),
+    RunStatus.INTERRUPTED: frozenset({RunStatus.RUNNING}),
 }
 
 
@@ -62,6 +65,10 @@ def hash_input(payload: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+_JSON_FIELDS = ("input", "engine", "calibrations")
+"""RunRecord fields stored as JSON strings in the run hash (``seeds`` predates them)."""
+
+
 class RunRecord(BaseModel):
     """Metadata of one run.
 
@@ -69,6 +76,13 @@ class RunRecord(BaseModel):
         seeds: named RNG seeds (e.g. {"sampling": 1234}) a replay needs to reproduce the run.
         input_hash: :func:`hash_input` of the workflow input, to detect replays on other inputs.
         error: why the run failed, if it did.
+        thread_id: the LangGraph thread holding the run's checkpoints ("" on records written before
+            workflows stored it; such runs used the run id).
+        input: the validated workflow input itself, so the run can be re-executed later (None on old
+            records).
+        engine: the engine fingerprint the run decoded with (model/heads sha256, profile, dtype,
+            device, mode, attention path); re-execution must match it to reproduce tokens.
+        calibrations: calibration version per LLM node, where a node used a non-global one.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -83,11 +97,17 @@ class RunRecord(BaseModel):
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
     error: str | None = None
+    thread_id: str = ""
+    input: dict[str, Any] | None = None
+    engine: dict[str, str] = Field(default_factory=dict)
+    calibrations: dict[str, str] = Field(default_factory=dict)
 
     def to_hash(self) -> dict[str, str]:
         data = self.model_dump(mode="json")
         data["seeds"] = json.dumps(self.seeds, sort_keys=True)
         data["error"] = self.error or ""
+        for key in _JSON_FIELDS:
+            data[key] = json.dumps(getattr(self, key), sort_keys=True, ensure_ascii=False)
         data["created_ms"] = str(int(self.created_at.timestamp() * 1000))
         return {k: str(v) for k, v in data.items()}
 
@@ -97,6 +117,9 @@ class RunRecord(BaseModel):
         data.pop("created_ms", None)
         data["seeds"] = json.loads(data.get("seeds") or "{}")
         data["error"] = data.get("error") or None
+        for key in _JSON_FIELDS:  # absent on records written before these fields existed
+            if key in data:
+                data[key] = json.loads(data[key])
         return cls.model_validate(data)
 
 
