@@ -1,0 +1,182 @@
+"""The FastAPI application: ``create_app(settings, engine=..., registry=...)``.
+
+One router per resource (assistants, threads, runs, elesium extras, openai, ops); the state lives in
+Redis (threads/runs in :mod:`elesium.state.threads`, checkpoints in the RedisSaver, the acceptance
+log, the run registry); the engine runs on its own thread. A pure ASGI guard in front of the routes
+refuses oversized bodies (413, before parsing), keeps the OpenAPI docs behind the API key like
+everything but health, and counts requests and latency per route template.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from elesium.api.execution import Services
+from elesium.api.metrics import Metrics
+from elesium.api.settings import ApiSettings
+from elesium.api.tracing import Tracing
+from elesium.api.worker import EngineWorker
+
+log = logging.getLogger("elesium.api")
+PUBLIC_PATHS = ("/healthz", "/readyz")
+DOC_PATHS = ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect")
+
+
+class Guard:
+    """Body-size limit, auth on the docs, and per-route request metrics (pure ASGI: streams pass through)."""
+
+    def __init__(self, app: Any, settings: ApiSettings, metrics_of: Any) -> None:
+        self.app, self.settings, self.metrics_of = app, settings, metrics_of
+
+    async def _reply(self, send: Any, status: int, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.settings.max_body_bytes
+            except ValueError:
+                await self._reply(send, 400, "invalid Content-Length")
+                return
+            if too_big:
+                await self._reply(send, 413, f"request body over {self.settings.max_body_bytes} bytes")
+                return
+        if scope["path"] in DOC_PATHS and self.settings.auth:
+            key = headers.get(b"x-api-key", b"").decode() or headers.get(b"authorization", b"").decode()[7:]
+            if key.strip() not in self.settings.api_keys:
+                await self._reply(send, 401, "missing or invalid API key (send x-api-key or Authorization: Bearer)")
+                return
+        status = {"code": 500}
+        start = time.perf_counter()
+
+        async def tracked_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            metrics = self.metrics_of()
+            if metrics is not None:
+                metrics.requests.labels(route=route, method=scope["method"], status=str(status["code"])).inc()
+                metrics.latency.labels(route=route, method=scope["method"]).observe(time.perf_counter() - start)
+
+
+def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Services:
+    from elesium.state import AcceptanceLog, RedisSaver, Retention, RunRegistry, connect, default_url
+    from elesium.state.connection import describe
+    from elesium.state.threads import ThreadStore
+
+    url = settings.redis_url or default_url()
+    client = connect(url)
+    target = describe(url)
+    worker = EngineWorker()
+    metrics = Metrics(queue_depth=lambda: worker.depth)
+    saver = RedisSaver(client, target=target)
+    original_put = saver.put
+
+    def timed_put(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original_put(*args, **kwargs)
+        finally:
+            metrics.checkpoint_latency.observe(time.perf_counter() - t0)
+
+    saver.put = timed_put  # type: ignore[method-assign]
+    return Services(settings=settings, engine=engine, registry=registry, store=ThreadStore(client, target=target),
+                    saver=saver, acceptance=AcceptanceLog(client, target=target, retention=Retention(maxlen=None)),
+                    runs_registry=RunRegistry(client, target=target), worker=worker, metrics=metrics,
+                    tracing=Tracing(settings.otel_exporter, settings.model_name))
+
+
+def create_app(settings: ApiSettings | None = None, *, engine: Any = None, registry: Any = None) -> FastAPI:
+    """The Elesium API.
+
+    Args:
+        settings: keys, limits, state server; default :meth:`ApiSettings.from_env` (auth on).
+        engine: a loaded Engine; None loads the default one (bundled model) at startup.
+        registry: the workflow registry; None uses ``elesium.graphs.registry.default_registry()``.
+    """
+    settings = settings or ApiSettings.from_env()
+    holder: dict[str, Services] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if "svc" not in holder:
+            _install(app)
+        try:
+            yield
+        finally:
+            svc = holder.pop("svc", None)
+            if svc is not None:
+                for channel in list(svc.channels.values()):
+                    channel.cancel.set()
+                svc.worker.stop()
+                svc.tracing.shutdown()
+
+    app = FastAPI(title="Elesium", version="0.1.0", lifespan=lifespan,
+                  description="LangGraph-compatible agent runs on an exact speculative-decoding engine, "
+                              "audited in Redis. Auth: x-api-key or Authorization: Bearer.")
+    app.state.settings = settings
+
+    def _install(app: FastAPI) -> None:
+        eng = engine
+        if eng is None:
+            from elesium.inference.engine import Engine
+
+            eng = Engine.load()
+        reg = registry
+        if reg is None:
+            from elesium.graphs.registry import default_registry
+
+            reg = default_registry()
+        svc = build_services(settings, eng, reg)
+        holder["svc"] = svc
+        app.state.services = svc
+
+    app.state.install = lambda: _install(app)
+
+    from elesium.api.routers import assistants, elesium, openai, ops, runs, threads
+
+    for module in (ops, assistants, threads, runs, elesium, openai):
+        app.include_router(module.router)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return JSONResponse({"detail": f"{where}: {first.get('msg')}", "errors": json.loads(
+            json.dumps(errors, default=str))}, status_code=422)
+
+    from elesium.state.errors import RedisUnavailableError, StateError
+
+    @app.exception_handler(RedisUnavailableError)
+    async def _redis_down(request: Request, exc: RedisUnavailableError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc).splitlines()[0]}, status_code=503)
+
+    @app.exception_handler(StateError)
+    async def _state(request: Request, exc: StateError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc).splitlines()[0]}, status_code=409)
+
+    app.add_middleware(Guard, settings=settings, metrics_of=lambda: getattr(holder.get("svc"), "metrics", None))
+    return app

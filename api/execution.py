@@ -1,0 +1,321 @@
+"""What the routes share: the engine worker, the stores, the workflows, and how a run executes.
+
+Routes stay thin: they authenticate, validate and translate to HTTP; everything stateful is here.
+A run is created on the event loop (validated, recorded as pending, so nothing is written for a bad
+request) and executed on the engine worker thread (:mod:`elesium.api.worker`), which drives the
+compiled graph with :func:`elesium.graphs.replay.drive` and publishes its stream parts on the run's
+:class:`~elesium.api.events.RunChannel`. When the run ends, its LLM calls, checkpoints, status and
+metrics are recorded and the channel closes, which is what ``wait``, ``join`` and SSE readers await.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import HTTPException
+
+from elesium.api.auth import Principal
+from elesium.api.events import RunChannel
+from elesium.api.metrics import Metrics
+from elesium.api.schemas import SUPPORTED_STREAM_MODES, RunCreate
+from elesium.api.settings import ApiSettings
+from elesium.api.tracing import Tracing
+from elesium.api.worker import EngineWorker
+from elesium.graphs import replay as rp
+from elesium.state.threads import RunRow, ThreadRow, ThreadStore
+
+log = logging.getLogger("elesium.api")
+ASSISTANT_NS = uuid.UUID("6f1d2a52-7c3e-4f0b-9a57-5e1e51a0c0de")
+TERMINAL = ("success", "error", "interrupted", "timeout")
+
+
+def assistant_id_of(workflow: Any) -> str:
+    """A stable UUID per (workflow, version): one assistant per registered workflow version."""
+    return str(uuid.uuid5(ASSISTANT_NS, f"{workflow.name}@{workflow.version}"))
+
+
+def not_found(what: str, ident: str) -> HTTPException:
+    return HTTPException(status_code=404, detail=f"{what} {ident!r} not found")
+
+
+def iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}+00:00"
+
+
+@dataclass
+class Services:
+    """Everything a request may need; one per app (``app.state.services``)."""
+
+    settings: ApiSettings
+    engine: Any
+    registry: Any
+    store: ThreadStore
+    saver: Any
+    acceptance: Any
+    runs_registry: Any
+    worker: EngineWorker
+    metrics: Metrics
+    tracing: Tracing
+    channels: dict[str, RunChannel] = field(default_factory=dict)
+    _graphs: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _graph_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ---------------------------------------------------------------- workflows
+    def workflows(self) -> list[Any]:
+        """Every registered version of every workflow (``Registry.list()`` gives the latest of each)."""
+        by_name = getattr(self.registry, "_by_name", None)
+        if isinstance(by_name, dict):
+            return [wf for name in sorted(by_name) for wf in by_name[name].values()]
+        return list(self.registry.list())
+
+    def resolve_assistant(self, assistant_id: str) -> Any:
+        """The workflow behind an assistant id, a graph name (its newest version) or ``name:version``."""
+        for wf in self.workflows():
+            if assistant_id_of(wf) == assistant_id:
+                return wf
+        name, _, version = assistant_id.partition(":")
+        try:
+            return self.registry.get(name, version or None)
+        except KeyError:
+            raise not_found("assistant", assistant_id) from None
+
+    def workflow_version(self, name: str, version: str) -> Any:
+        """The registered workflow ``name`` at ``version``, else its current version (replay reports it)."""
+        try:
+            return self.registry.get(name, version)
+        except KeyError:
+            try:
+                return self.registry.get(name)
+            except KeyError:
+                raise HTTPException(status_code=409, detail=f"workflow {name!r} is no longer registered") from None
+
+    def graph(self, workflow: Any) -> Any:
+        key = (workflow.name, workflow.version)
+        with self._graph_lock:
+            if key not in self._graphs:
+                self._graphs[key] = workflow.build(self.saver)
+            return self._graphs[key]
+
+    def thread_graph(self, thread: ThreadRow) -> Any | None:
+        """The compiled graph of the thread's workflow (None before its first run)."""
+        if not thread.graph_id:
+            return None
+        name, _, version = thread.graph_id.partition("@")
+        try:
+            wf = self.registry.get(name, version or None)
+        except KeyError:
+            wf = self.registry.get(name)
+        return self.graph(wf)
+
+    def fingerprint(self, mode: str | None = None) -> dict[str, str]:
+        from elesium.graphs.fingerprint import engine_fingerprint
+
+        return engine_fingerprint(self.engine, mode)
+
+    # ---------------------------------------------------------------- threads
+    def thread_or_404(self, thread_id: str, who: Principal) -> ThreadRow:
+        row = self.store.get_thread(thread_id, who.tenant)
+        if row is None:
+            raise not_found("thread", thread_id)
+        return row
+
+    def create_thread(self, who: Principal, thread_id: str | None = None, metadata: dict[str, Any] | None = None,
+                      if_exists: str | None = None) -> ThreadRow:
+        tid = thread_id or str(uuid.uuid4())
+        row = self.store.create_thread(ThreadRow(thread_id=tid, tenant=who.tenant, metadata=metadata or {}))
+        if row is None:
+            existing = self.store.get_thread(tid, who.tenant)
+            if if_exists == "do_nothing" and existing is not None:
+                return existing
+            raise HTTPException(status_code=409, detail=f"thread {tid!r} already exists")
+        return row
+
+    # ---------------------------------------------------------------- runs
+    def prepare_run(self, who: Principal, thread: ThreadRow, body: RunCreate) -> tuple[Any, RunRow]:
+        """Validate a run request against the thread and the workflow; write nothing (4xx on bad input)."""
+        unsupported = [m for m in body.modes if m not in SUPPORTED_STREAM_MODES]
+        if unsupported:
+            raise HTTPException(status_code=422, detail=f"stream_mode {unsupported[0]!r} is not supported; use "
+                                f"{', '.join(SUPPORTED_STREAM_MODES)}")
+        if body.multitask_strategy not in (None, "reject"):
+            raise HTTPException(status_code=422, detail="only multitask_strategy='reject' is supported")
+        wf = self.resolve_assistant(body.assistant_id)
+        if thread.graph_id and thread.graph_id.partition("@")[0] != wf.name:
+            raise HTTPException(status_code=409, detail=f"thread {thread.thread_id!r} belongs to workflow "
+                                f"{thread.graph_id.partition('@')[0]!r}, not {wf.name!r}")
+        if thread.status == "busy":
+            raise HTTPException(status_code=409, detail=f"thread {thread.thread_id!r} has a run in progress "
+                                "(multitask_strategy=reject)")
+        if body.input is not None and body.command is not None:
+            raise HTTPException(status_code=422, detail="send input or command, not both")
+        request: dict[str, Any] = {}
+        if body.input is not None:
+            request["input"] = _validated(wf.input_model, body.input, f"invalid input for workflow {wf.name!r}")
+        if body.command is not None:
+            command = body.command.model_dump(exclude_none=True)
+            if "resume" in body.command.model_fields_set:
+                command["resume"] = body.command.resume
+            if not command:
+                raise HTTPException(status_code=422, detail="command is empty; send resume, update or goto")
+            if "resume" in command and thread.status != "interrupted":
+                raise HTTPException(status_code=409, detail=f"thread {thread.thread_id!r} is not waiting at an "
+                                    "interrupt; nothing to resume")
+            if "resume" in command and getattr(wf, "resume_model", None) is not None:
+                command["resume"] = _validated(wf.resume_model, command["resume"],
+                                               f"invalid resume value for workflow {wf.name!r}")
+            request["command"] = command
+        fork = body.fork_checkpoint
+        if fork:
+            graph = self.graph(wf)
+            cfg = {"configurable": {"thread_id": thread.thread_id, "checkpoint_ns": "", "checkpoint_id": fork}}
+            if graph.checkpointer.get_tuple(cfg) is None:
+                raise not_found("checkpoint", fork)
+            request["checkpoint_id"] = fork
+        if not request:
+            raise HTTPException(status_code=422, detail="send an input, a command, or a checkpoint to resume from")
+        configurable = (body.config or {}).get("configurable") or {}
+        seed = body.seed if body.seed is not None else configurable.get("run_seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+            raise HTTPException(status_code=422, detail="run seed must be an integer in [0, 2**63)")
+        request["stream_mode"] = body.modes
+        row = RunRow(run_id=str(uuid.uuid4()), thread_id=thread.thread_id, tenant=who.tenant,
+                     assistant_id=assistant_id_of(wf), workflow=wf.name, workflow_version=wf.version,
+                     metadata=body.metadata or {}, request=request,
+                     seed=int(seed) if seed is not None else secrets.randbits(63),
+                     approver=who.identity if "command" in request and "resume" in request["command"] else None,
+                     fingerprint=self.fingerprint())
+        return wf, row
+
+    def start_run(self, wf: Any, row: RunRow) -> RunChannel:
+        """Record the run as pending and queue it on the engine thread."""
+        from elesium.state import RunRecord, hash_input
+
+        self.store.create_run(row)
+        self.store.update_thread(row.thread_id, status="busy", graph_id=f"{wf.name}@{wf.version}")
+        if self.runs_registry is not None:
+            try:
+                self.runs_registry.create(RunRecord(
+                    run_id=row.run_id, workflow=wf.name, workflow_version=wf.version,
+                    input_hash=hash_input(row.request), seeds={"run": row.seed}, tenant=row.tenant,
+                    **_optional_record_fields(row)))
+            except Exception:  # noqa: BLE001 - the registry is a secondary index; the run still runs
+                log.exception("run registry create failed for %s", row.run_id)
+        channel = RunChannel()
+        self.channels[row.run_id] = channel
+        channel.publish("metadata", {"run_id": row.run_id, "thread_id": row.thread_id, "attempt": 1})
+        self.worker.submit(lambda: self._execute(wf, row, channel))
+        return channel
+
+    def _registry_status(self, run_id: str, status: str, error: str | None = None) -> None:
+        if self.runs_registry is None:
+            return
+        try:
+            self.runs_registry.update_status(run_id, status, error=error)
+        except Exception:  # noqa: BLE001 - see start_run
+            log.debug("run registry status %s for %s not applied", status, run_id, exc_info=True)
+
+    def _execute(self, wf: Any, row: RunRow, channel: RunChannel) -> None:
+        """Body of a run on the engine thread (never raises: every end is recorded)."""
+        modes = row.request.get("stream_mode") or ["values"]
+        graph_modes = tuple(dict.fromkeys("messages" if m == "messages-tuple" else m for m in modes))
+        tap = rp.TappedEngine(self.engine, cancelled=channel.cancel)
+        msg_seen: set[str] = set()
+
+        def emit(mode: str, chunk: Any) -> None:
+            if mode == "messages":
+                message, meta = chunk if isinstance(chunk, list) and len(chunk) == 2 else (chunk, {})
+                if "messages-tuple" in modes:
+                    channel.publish("messages", [message, meta])
+                if "messages" in modes:
+                    mid = str(message.get("id", "")) if isinstance(message, dict) else ""
+                    if mid not in msg_seen:
+                        msg_seen.add(mid)
+                        channel.publish("messages/metadata", {mid: {"metadata": meta}})
+                    channel.publish("messages/partial", [message])
+                return
+            channel.publish(mode, chunk)
+
+        status, error = "error", None
+        try:
+            if channel.cancel.is_set():
+                raise rp.RunCancelled("cancelled before it started")
+            self.store.update_run(row.run_id, status="running")
+            self._registry_status(row.run_id, "running")
+            graph = self.graph(wf)
+            config = rp.run_config(row.thread_id, row.run_id, row.seed, row.tenant, tap,
+                                   checkpoint_id=row.request.get("checkpoint_id"), log=self.acceptance,
+                                   workflow=wf.name)
+            outcome = rp.drive(graph, rp.command_from(row.request), config, emit=emit, cancelled=channel.cancel,
+                               stream_modes=graph_modes)
+            status, error = outcome.status, outcome.error
+            self.store.update_run(row.run_id, status=status, checkpoints=outcome.checkpoints, error=error)
+        except rp.RunCancelled:
+            status, error = "interrupted", "cancelled"
+            self.store.update_run(row.run_id, status=status, error=error)
+        except Exception as exc:  # noqa: BLE001 - recorded as the run's error
+            log.exception("run %s failed", row.run_id)
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+            self.store.update_run(row.run_id, status=status, error=error)
+        finally:
+            self.store.set_calls(row.run_id, [c.model_dump() for c in tap.calls])
+            self._after_run(wf, row, tap, status, error)
+            if status == "error":
+                channel.publish("error", {"error": (error or "error").split(":")[0], "message": error})
+            channel.close()
+
+    def _after_run(self, wf: Any, row: RunRow, tap: rp.TappedEngine, status: str, error: str | None) -> None:
+        thread_status = {"success": "idle", "interrupted": "interrupted", "error": "error"}.get(status, "idle")
+        if error == "cancelled":
+            thread_status = "idle"
+        self.store.update_thread(row.thread_id, status=thread_status)
+        self._registry_status(row.run_id, {"success": "succeeded", "interrupted": "interrupted",
+                                           "error": "failed"}.get(status, "failed")
+                              if error != "cancelled" else "cancelled", error)
+        self.metrics.runs.labels(status=status if error != "cancelled" else "cancelled").inc()
+        for call in tap.calls:
+            self.metrics.generated_tokens.inc(len(call.token_ids))
+            self.metrics.prompt_tokens.inc(call.prompt_tokens)
+        self.metrics.observe_steps([rec for _, rec in tap.steps])
+        nodes = list(dict.fromkeys(c.node for c in tap.calls))
+        self.tracing.run_spans(wf.name, row.run_id, row.thread_id, tap.calls, nodes)
+
+    def channel_or_none(self, run_id: str) -> RunChannel | None:
+        return self.channels.get(run_id)
+
+    def cancel(self, run_id: str) -> bool:
+        channel = self.channels.get(run_id)
+        if channel is None or channel.closed:
+            return False
+        channel.cancel.set()
+        return True
+
+
+def _validated(model: Any, value: Any, what: str) -> Any:
+    """``value`` checked by ``model`` and dumped as JSON data (defaults filled); 422 naming the problem."""
+    from elesium.graphs.runner import InputValidationError, validate
+
+    try:
+        return validate(model, value, what)
+    except InputValidationError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from None
+
+
+def _optional_record_fields(row: RunRow) -> dict[str, Any]:
+    """RunRecord fields that newer registries have (thread id, input, engine); older ones lack them."""
+    from elesium.state import RunRecord
+
+    fields = RunRecord.model_fields
+    out: dict[str, Any] = {}
+    if "thread_id" in fields:
+        out["thread_id"] = row.thread_id
+    if "input" in fields and isinstance(row.request.get("input"), dict):
+        out["input"] = row.request["input"]
+    if "engine" in fields:
+        out["engine"] = row.fingerprint
+    return out

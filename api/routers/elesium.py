@@ -1,0 +1,84 @@
+"""Elesium's own routes: the acceptance log of a run, audit replays, and who the caller is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from elesium.api.auth import Principal, principal
+from elesium.api.routers.common import services
+from elesium.api.schemas import ReplayRequest
+from elesium.graphs import replay as rp
+
+router = APIRouter(tags=["elesium"])
+
+
+@router.get("/elesium/whoami")
+def whoami(request: Request, who: Principal = Depends(principal)) -> dict[str, Any]:
+    """The caller's tenant and key id (what approvals and replays are recorded under)."""
+    return {"tenant": who.tenant, "key_id": who.key_id, "identity": who.identity}
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/acceptance")
+def acceptance(thread_id: str, run_id: str, request: Request, limit: int = 100, cursor: str | None = None,
+               who: Principal = Depends(principal)) -> dict[str, Any]:
+    """The run's raw acceptance log, ``limit`` entries after ``cursor`` (a stream id), and its summary."""
+    svc = services(request)
+    svc.thread_or_404(thread_id, who)
+    row = svc.store.get_run(run_id, who.tenant, thread_id)
+    if row is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
+    if not 1 <= limit <= 1000:
+        raise HTTPException(status_code=422, detail="limit must be in [1, 1000]")
+    if cursor is not None and not _is_stream_id(cursor):
+        raise HTTPException(status_code=422, detail="cursor must be a stream id such as 1700000000000-0")
+    log = svc.acceptance
+    entries = log.read(run_id, start=f"({cursor}" if cursor else "-", count=limit)
+    summary = log.summary(run_id)
+    nodes = sorted({c["node"] for c in svc.store.calls(run_id)} | {e.node_id for e in entries})
+    return {
+        "run_id": run_id, "thread_id": thread_id,
+        "entries": [e.model_dump(mode="json") for e in entries],
+        "next_cursor": entries[-1].entry_id if len(entries) == limit else None,
+        "summary": summary.model_dump(mode="json"),
+        "per_node": {n: log.summary(run_id, n).model_dump(mode="json") for n in nodes},
+        "calls": [{k: c[k] for k in ("node", "call", "seed", "mode", "finish_reason", "steps", "accepted")}
+                  | {"tokens": len(c["token_ids"])} for c in svc.store.calls(run_id)],
+    }
+
+
+def _is_stream_id(text: str) -> bool:
+    ms, _, seq = text.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit())
+
+
+@router.post("/threads/{thread_id}/runs/{run_id}/replay")
+async def replay(thread_id: str, run_id: str, body: ReplayRequest, request: Request,
+                 who: Principal = Depends(principal)) -> dict[str, Any]:
+    """Re-execute (or re-run on recorded outputs) the run and its thread's earlier operations; store the verdict."""
+    svc = services(request)
+    svc.thread_or_404(thread_id, who)
+    if svc.store.get_run(run_id, who.tenant, thread_id) is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
+
+    def work() -> rp.ReplayReport:
+        return rp.replay_stored_run(store=svc.store, registry=svc.registry, engine=svc.engine, saver=svc.saver,
+                                    run_id=run_id, mode=body.mode, by=who.identity, tenant=who.tenant,
+                                    fingerprint=svc.fingerprint)
+
+    try:
+        report = await svc.worker.run(work)
+    except rp.ReplayRefused as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from None
+    return report.model_dump(mode="json")
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/replays")
+def list_replays(thread_id: str, run_id: str, request: Request,
+                 who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+    svc = services(request)
+    svc.thread_or_404(thread_id, who)
+    if svc.store.get_run(run_id, who.tenant, thread_id) is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
+    return svc.store.replays(run_id)

@@ -1,0 +1,72 @@
+"""Server settings: API keys and tenants, limits, state and tracing, read from the environment.
+
+Keys come from ``ELESIUM_API_KEYS="key1=tenantA,key2=tenantB"`` or from the file named by
+``ELESIUM_API_KEYS_FILE`` (one ``key=tenant`` per line, ``#`` comments). Auth is on unless the
+caller says ``auth=False`` (``elesium serve --no-auth``), so a server started without keys refuses
+everything but health checks instead of silently serving everyone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """``key=tenant`` pairs separated by commas or newlines -> {key: tenant}.
+
+    Raises ValueError (one line) on an entry without ``=``, an empty key or tenant, or a key given twice.
+    """
+    keys: dict[str, str] = {}
+    for raw in text.replace("\n", ",").split(","):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        key, sep, tenant = entry.partition("=")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key or not tenant:
+            raise ValueError(f"API key entry {entry[:4]}... is not key=tenant")
+        if key in keys:
+            raise ValueError(f"API key {key[:4]}... is listed twice")
+        keys[key] = tenant
+    return keys
+
+
+@dataclass
+class ApiSettings:
+    """What ``create_app`` needs besides the engine and the workflows.
+
+    Attributes:
+        api_keys: key -> tenant.
+        auth: False only for local use (``--no-auth``); every request is then tenant ``default``.
+        redis_url: state server (None: ``REDIS_URL``, else the embedded Valkey).
+        max_body_bytes: larger request bodies answer 413 before they are parsed.
+        max_prompt_tokens: larger chat prompts answer 400 (the context must also hold the reply).
+        max_tokens_cap: upper bound of ``max_tokens`` on /v1/chat/completions.
+        otel_exporter: "none" (default), "console" or "otlp".
+        model_name: the id /v1/models reports for the loaded model.
+    """
+
+    api_keys: dict[str, str] = field(default_factory=dict)
+    auth: bool = True
+    redis_url: str | None = None
+    max_body_bytes: int = 256_000
+    max_prompt_tokens: int = 1536
+    max_tokens_cap: int = 1024
+    otel_exporter: str = "none"
+    model_name: str = "elesium-smollm2-135m"
+
+    @classmethod
+    def from_env(cls, *, auth: bool = True, redis_url: str | None = None) -> ApiSettings:
+        keys: dict[str, str] = {}
+        path = os.environ.get("ELESIUM_API_KEYS_FILE")
+        if path:
+            keys.update(parse_api_keys(Path(path).read_text()))
+        if os.environ.get("ELESIUM_API_KEYS"):
+            keys.update(parse_api_keys(os.environ["ELESIUM_API_KEYS"]))
+        exporter = os.environ.get("ELESIUM_OTEL_EXPORTER", "none").strip().lower() or "none"
+        if exporter not in ("none", "console", "otlp"):
+            raise ValueError(f"ELESIUM_OTEL_EXPORTER={exporter!r}: use console, otlp or none")
+        return cls(api_keys=keys, auth=auth, redis_url=redis_url or os.environ.get("REDIS_URL"),
+                   otel_exporter=exporter)

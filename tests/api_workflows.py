@@ -1,0 +1,83 @@
+"""Small workflows for the API tests: real LLM nodes on the real engine, an approval interrupt.
+
+``approval`` drafts a sentence (LLM), waits for a human at ``interrupt`` and finishes with the
+decision; ``summary`` is one LLM node and ends. Token budgets are tiny so runs take well under a
+second on the CPU. ``approval_changed`` is ``approval`` with another prompt: same name, new version
+(the changed-workflow-version replay test).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import interrupt
+from pydantic import BaseModel, Field
+
+from elesium.graphs.llm import WorkflowState, llm_node
+from elesium.graphs.registry import Registry, Workflow
+
+
+class TopicIn(BaseModel):
+    topic: str = Field(min_length=1, max_length=400)
+
+
+class ApprovalState(WorkflowState, total=False):
+    topic: str
+    draft: str
+    approved: bool
+    approver_note: str
+    final: str
+
+
+class SummaryState(WorkflowState, total=False):
+    topic: str
+    summary: str
+
+
+def _approval_factory(prompt: str) -> Any:
+    def factory() -> StateGraph:
+        builder = StateGraph(ApprovalState)
+        builder.add_node(llm_node("draft", prompt=prompt, output_key="draft", params={"max_tokens": 8}))
+
+        def approve(state: ApprovalState) -> dict[str, Any]:
+            decision = interrupt({"question": "approve this draft?", "draft": state.get("draft", "")})
+            decision = decision if isinstance(decision, dict) else {"approved": bool(decision)}
+            return {"approved": bool(decision.get("approved")), "approver_note": str(decision.get("note", ""))}
+
+        def finish(state: ApprovalState) -> dict[str, Any]:
+            verdict = "APPROVED" if state.get("approved") else "REJECTED"
+            return {"final": f"{verdict}: {state.get('draft', '')}"}
+
+        builder.add_node("approve", approve)
+        builder.add_node("finish", finish)
+        builder.add_edge(START, "draft")
+        builder.add_edge("draft", "approve")
+        builder.add_edge("approve", "finish")
+        builder.add_edge("finish", END)
+        return builder
+    return factory
+
+
+def _summary_factory() -> StateGraph:
+    builder = StateGraph(SummaryState)
+    builder.add_node(llm_node("summarize", prompt="Say one short sentence about {topic}.", output_key="summary",
+                              params={"max_tokens": 8}))
+    builder.add_edge(START, "summarize")
+    builder.add_edge("summarize", END)
+    return builder
+
+
+def approval(prompt: str = "Write one short sentence about {topic}.") -> Workflow:
+    return Workflow.define("approval", _approval_factory(prompt), TopicIn, description="draft, approve, finish")
+
+
+def summary() -> Workflow:
+    return Workflow.define("summary", _summary_factory, TopicIn, description="one LLM call")
+
+
+def test_registry() -> Registry:
+    registry = Registry()
+    registry.register(approval())
+    registry.register(summary())
+    return registry
