@@ -1,0 +1,207 @@
+"""Fenced writes: a checkpointer and an acceptance log that refuse writes from a superseded worker.
+
+A lease with a TTL alone cannot stop two executors: a worker that was paused past its TTL (a long GC,
+a swapped-out process, a partition) does not know it lost the run and resumes writing. So every
+write carries the worker's fencing token and the *same Lua script* that writes checks it against the
+thread's fence counter (``INCR``-ed by each claim, see :mod:`elesium.state.queue`). The check and
+the write are one atomic step on one cluster slot (the fence key carries the thread's hash tag), so
+there is no window between "still mine?" and "write".
+
+:class:`FencedSaver` wraps :class:`~elesium.state.checkpointer.RedisSaver`: its ``put`` and
+``put_writes`` scripts are the saver's own, with the check prepended. :class:`FencedAcceptanceLog`
+does the same for acceptance-log appends and tags each entry with ``attempt`` (the token), and its
+:meth:`~FencedAcceptanceLog.begin_call` deletes the entries an earlier, crashed attempt left for the
+LLM call about to be re-run, so the log holds exactly one copy of every call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions
+from elesium.state import _keys as K
+from elesium.state._saver_base import Request, ScriptCall
+from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
+from elesium.state.checkpointer import RedisSaver
+from elesium.state.errors import translate_errors
+from elesium.state.queue import LeaseLostError
+
+FENCED = "ELESIUM_FENCED"
+
+# Pops the fence key (last KEY) and token (last ARGV) so the wrapped script sees its usual arguments.
+_FENCE_CHECK = r"""
+local __fence_key = table.remove(KEYS)
+local __token = table.remove(ARGV)
+if redis.call('GET', __fence_key) ~= __token then
+  return redis.error_reply('""" + FENCED + r""" token ' .. __token .. ' superseded by ' ..
+                           tostring(redis.call('GET', __fence_key)))
+end
+"""
+
+_FENCED_SCRIPTS = ("put", "put_writes")
+
+# KEYS: stream (, fence). ARGV: maxlen ('' = untrimmed), then per entry: n, then n field/value args
+# (, token). All entries or none: a crash cannot leave half a batch.
+_APPEND = r"""
+local ids, i = {}, 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  if ARGV[1] ~= '' then
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, i + 1, i + n))
+  else
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + n))
+  end
+  i = i + n + 1
+end
+return ids
+"""
+
+# KEYS: stream (, fence). ARGV: attempt, node id, call index (, token). Deletes that call's entries of
+# other attempts.
+_BEGIN_CALL = r"""
+local n = 0
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+  local f, node, call, att = e[2], nil, '', ''
+  for i = 1, #f, 2 do
+    if f[i] == 'node_id' then node = f[i + 1]
+    elseif f[i] == 'call_index' then call = f[i + 1]
+    elseif f[i] == 'attempt' then att = f[i + 1] end
+  end
+  if node == ARGV[2] and call == ARGV[3] and att ~= ARGV[1] then
+    redis.call('XDEL', KEYS[1], e[1]); n = n + 1
+  end
+end
+return n
+"""
+
+
+def _is_fenced(exc: BaseException) -> bool:
+    return isinstance(exc, redis.exceptions.ResponseError) and FENCED in str(exc)
+
+
+class FencedSaver(RedisSaver):
+    """A :class:`RedisSaver` whose checkpoint writes succeed only while ``token`` is current.
+
+    Reads are unfenced (a superseded worker may read; it just cannot write).
+
+    Args:
+        client: the Redis client (the queue's).
+        fence_key: the thread's fence counter (``RunKeys.fence``); must share the thread's hash tag.
+        token: the fencing token of this worker's claim.
+
+    Raises (from ``put`` / ``put_writes``):
+        LeaseLostError: a newer claim exists; nothing was written.
+    """
+
+    def __init__(self, client: Any, *, fence_key: str, token: int, **options: Any) -> None:
+        super().__init__(client, **options)
+        self.fence_key = fence_key
+        self.token = str(token)
+        self._fenced = {name: client.register_script(_FENCE_CHECK + K.SCRIPTS[name]) for name in _FENCED_SCRIPTS}
+
+    def _execute(self, req: Request) -> Any:
+        if isinstance(req, ScriptCall) and req.name in self._fenced:
+            try:
+                return self._fenced[req.name](keys=[*req.keys, self.fence_key], args=[*req.args, self.token])
+            except redis.exceptions.ResponseError as exc:
+                if _is_fenced(exc):
+                    raise LeaseLostError(f"checkpoint write refused: {exc}") from None
+                raise
+        return super()._execute(req)
+
+
+class FencedAcceptanceLog(AcceptanceLog):
+    """An :class:`AcceptanceLog` whose appends are fenced and tagged ``attempt=<token>``.
+
+    When the run's stream and the fence share a slot (thread id == run id, the default for queued
+    runs) the check is inside the append's script; otherwise it is a GET immediately before the
+    write (a narrow window, closed anyway by the fenced checkpoint write that follows, since a
+    superseded attempt's entries are deleted by the next attempt's :meth:`begin_call`).
+    """
+
+    def __init__(self, client: Any, *, fence_key: str, token: int, fence_tag: str, **options: Any) -> None:
+        super().__init__(client, **options)
+        self.fence_key = fence_key
+        self.token = str(token)
+        self._fence_tag = fence_tag
+        self._scripts_for = {
+            True: {"append": client.register_script(_FENCE_CHECK + _APPEND),
+                   "begin": client.register_script(_FENCE_CHECK + _BEGIN_CALL)},
+            False: {"append": client.register_script(_APPEND), "begin": client.register_script(_BEGIN_CALL)},
+        }
+
+    def _same_slot(self, run_id: str) -> bool:
+        return self.key(run_id).endswith("{" + self._fence_tag + "}")
+
+    def _fenced(self, run_id: str, name: str, args: list[Any]) -> Any:
+        with translate_errors(f"the acceptance stream {self.key(run_id)}", self._target):
+            try:
+                if self._same_slot(run_id):
+                    script = self._scripts_for[True][name]
+                    return script(keys=[self.key(run_id), self.fence_key], args=[*args, self.token])
+                current = self.client.get(self.fence_key)
+                if (current.decode() if isinstance(current, bytes) else current) != self.token:
+                    raise LeaseLostError(f"acceptance write refused: token {self.token} superseded by {current}")
+                return self._scripts_for[False][name](keys=[self.key(run_id)], args=args)
+            except redis.exceptions.ResponseError as exc:
+                if _is_fenced(exc):
+                    raise LeaseLostError(f"acceptance write refused: {exc}") from None
+                raise
+
+    def _fields(self, entry: AcceptanceEntry) -> list[str]:
+        fields = entry.to_fields()
+        fields["attempt"] = self.token
+        flat: list[str] = []
+        for k, v in fields.items():
+            flat += [k, v]
+        return flat
+
+    def _maxlen(self) -> str:
+        return str(self.retention.maxlen) if self.retention.maxlen is not None else ""
+
+    def begin_call(self, run_id: str, node_id: str, call_index: int | None) -> int:
+        """Before (re-)running an LLM call: delete what other attempts wrote for it; returns how many."""
+        call = "" if call_index is None else str(call_index)
+        return int(self._fenced(run_id, "begin", [self.token, node_id, call]))
+
+    def append(self, entry: AcceptanceEntry) -> str:
+        return self.append_many([entry])[0]
+
+    def append_many(self, entries: Sequence[AcceptanceEntry]) -> list[str]:
+        """Append a batch atomically per run (one fenced script each)."""
+        ids: dict[int, str] = {}
+        by_run: dict[str, list[int]] = {}
+        for i, entry in enumerate(entries):
+            by_run.setdefault(entry.run_id, []).append(i)
+        for run_id, positions in by_run.items():
+            args: list[Any] = [self._maxlen()]
+            for i in positions:
+                flat = self._fields(entries[i])
+                args += [len(flat), *flat]
+            reply = self._fenced(run_id, "append", args)
+            for i, raw in zip(positions, reply):
+                ids[i] = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return [ids[i] for i in range(len(entries))]
+
+
+def entry_attempts(log: AcceptanceLog, run_id: str) -> list[tuple[str, int]]:
+    """(entry id, attempt) of every entry of the run, oldest first (0 for unfenced entries)."""
+    with translate_errors(f"the acceptance stream {log.key(run_id)}", "the configured server"):
+        rows = log.client.xrange(log.key(run_id))
+    out: list[tuple[str, int]] = []
+    for entry_id, fields in rows:
+        raw = fields.get(b"attempt", b"0")
+        out.append((entry_id.decode() if isinstance(entry_id, bytes) else entry_id, int(raw)))
+    return out
+
+
+def dumps_fields(entry: AcceptanceEntry) -> str:
+    """The entry as canonical JSON without its wall-clock parts (stream id, step time): two runs'
+    logs are equal when these strings are."""
+    data = json.loads(json.dumps(entry.to_fields()))
+    record = json.loads(data.pop("record"))
+    record.pop("elapsed_s", None)
+    data["record"] = record
+    return json.dumps(data, sort_keys=True)

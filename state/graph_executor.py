@@ -1,0 +1,62 @@
+"""Running a queued run's LangGraph graph under its lease: start it, or resume it where it stopped.
+
+LangGraph's durable execution does the resuming: each super-step's checkpoint (and each finished
+task's pending writes) is in Redis, so invoking the graph with input ``None`` on a thread that has a
+checkpoint continues from the last one, re-running only the tasks that had not finished. This
+module decides between "start" and "resume", fences every write with the lease, and checks the
+lease between super-steps so a cancel, a timeout or a lost lease stops the run at a step boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from elesium.state.queue import Lease
+
+GraphFactory = Callable[[Lease, Any], Any]
+"""(lease, checkpointer) -> compiled graph."""
+
+
+def drive(graph: Any, lease: Lease, input: Any, config: Mapping[str, Any]) -> str:
+    """Start ``graph`` on ``input`` or resume it on ``config``'s thread; returns "succeeded" or
+    "interrupted" (stopped at a LangGraph ``interrupt``, waiting for a human).
+
+    The thread's latest checkpoint decides: none -> start with ``input``; one with tasks still to
+    run -> resume with ``None``; one with nothing left -> the run had finished before its worker died
+    (only the queue's acknowledgement was missing), so nothing is executed again.
+    """
+    state = graph.get_state(config)
+    if state.created_at is not None and not state.next:
+        return "succeeded"
+    if state.created_at is not None and any(task.interrupts for task in state.tasks):
+        return "interrupted"
+    first = input if state.created_at is None else None
+    for _update in graph.stream(first, dict(config), stream_mode="updates"):
+        lease.check()
+    lease.check()
+    after = graph.get_state(config)
+    return "interrupted" if after.next else "succeeded"
+
+
+class GraphExecutor:
+    """An executor (C6) for graphs built per run.
+
+    Args:
+        build: ``(lease, checkpointer) -> compiled graph``; the checkpointer is the lease's
+            :class:`~elesium.state.fenced.FencedSaver`.
+        config: ``(lease) -> RunnableConfig`` (thread id, run id, context, ...); by default the
+            lease's thread and run ids.
+        input_of: the graph input from the payload (default: ``payload["input"]``).
+    """
+
+    def __init__(self, build: GraphFactory, *, config: Callable[[Lease], Mapping[str, Any]] | None = None,
+                 input_of: Callable[[Mapping[str, Any]], Any] | None = None) -> None:
+        self.build = build
+        self.config = config or (lambda lease: {"configurable": {"thread_id": lease.thread_id,
+                                                                 "run_id": lease.run_id}})
+        self.input_of = input_of or (lambda payload: payload.get("input"))
+
+    def __call__(self, run_id: str, lease: Lease) -> str:
+        graph = self.build(lease, lease.saver())
+        return drive(graph, lease, self.input_of(lease.payload), self.config(lease))
