@@ -13,7 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo")
+COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker")
 
 
 class CliError(Exception):

@@ -48,15 +48,18 @@ class GraphExecutor:
         config: ``(lease) -> RunnableConfig`` (thread id, run id, context, ...); by default the
             lease's thread and run ids.
         input_of: the graph input from the payload (default: ``payload["input"]``).
+        saver_options: passed to the fenced saver (``prefix``, ``ttl_s``, ``keep_last``, ``serde``).
     """
 
     def __init__(self, build: GraphFactory, *, config: Callable[[Lease], Mapping[str, Any]] | None = None,
-                 input_of: Callable[[Mapping[str, Any]], Any] | None = None) -> None:
+                 input_of: Callable[[Mapping[str, Any]], Any] | None = None,
+                 saver_options: Mapping[str, Any] | None = None) -> None:
         self.build = build
         self.config = config or (lambda lease: {"configurable": {"thread_id": lease.thread_id,
                                                                  "run_id": lease.run_id}})
         self.input_of = input_of or (lambda payload: payload.get("input"))
+        self.saver_options = dict(saver_options or {})
 
     def __call__(self, run_id: str, lease: Lease) -> str:
-        graph = self.build(lease, lease.saver())
+        graph = self.build(lease, lease.saver(**self.saver_options))
         return drive(graph, lease, self.input_of(lease.payload), self.config(lease))

@@ -1,0 +1,91 @@
+"""``elesium worker``: execute background runs from the durable run queue until SIGTERM.
+
+Any number of these (on any number of machines) share one queue through Redis: ``REDIS_URL``, a
+``redis+cluster://`` URL for a Redis Cluster, or the embedded server on a single machine. On SIGTERM
+or SIGINT the worker takes no new runs, lets in-flight ones finish for ``--grace`` seconds and hands
+the rest back, so another worker resumes them from their last checkpoint at once.
+
+``--executor module:factory`` picks what a run executes: ``factory(args, queue)`` returns the C6
+callback ``execute(run_id, lease)``. The default runs the shipped workflows through
+:mod:`elesium.graphs` (see ``default_executor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from elesium.commands.common import add_model_args
+
+DEFAULT_EXECUTOR = "elesium.state.workflow_executor:make_executor"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="execute queued background runs (Redis Streams consumer group)",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=1, help="runs executed at once (default 1)")
+    p.add_argument("--queue", default="default", help="queue name (default: default)")
+    p.add_argument("--prefix", default="elesium:q", help="key prefix of the queue (default: elesium:q)")
+    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else the embedded Valkey server")
+    p.add_argument("--lease-ttl", type=float, default=15.0,
+                   help="seconds a claim lives without a heartbeat; a dead worker's runs resume after it")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds in-flight runs get to finish on SIGTERM before they are handed back")
+    p.add_argument("--max-attempts", type=int, default=5, help="claims per run before it is failed")
+    p.add_argument("--executor", default=DEFAULT_EXECUTOR, help="module:factory building the run executor")
+    p.add_argument("--worker-id", default=None, help="consumer name (default: host-pid-random)")
+    add_model_args(p)
+    p.set_defaults(handler=run)
+
+
+def _factory(spec: str) -> Callable[[argparse.Namespace, Any], Any]:
+    from elesium.cli import CliError
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CliError(f"--executor must be module:factory, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise CliError(f"--executor: cannot import {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CliError(f"--executor: {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def run(args: argparse.Namespace) -> int:
+    from elesium.cli import CliError
+    from elesium.state.queue import RunQueue
+    from elesium.state.queue_worker import QueueWorker
+
+    if args.concurrency < 1:
+        raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.lease_ttl < 0.5:
+        raise CliError(f"--lease-ttl must be >= 0.5 seconds, got {args.lease_ttl}")
+    if args.grace < 0:
+        raise CliError(f"--grace must be >= 0 seconds, got {args.grace}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    factory = _factory(args.executor)
+    queue = RunQueue.from_url(args.redis_url, prefix=args.prefix, name=args.queue,
+                              lease_ttl_ms=int(args.lease_ttl * 1000), max_attempts=args.max_attempts)
+    execute = factory(args, queue)
+    worker = QueueWorker(queue, execute, concurrency=args.concurrency, worker_id=args.worker_id)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # a second signal must not interrupt the hand-back
+        handed = worker.stop(args.grace)
+        print(f"elesium worker: stopped ({worker.completed} runs finished, {len(handed)} handed back)",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"elesium worker {worker.worker_id}: queue {args.queue!r}, concurrency {args.concurrency}",
+          file=sys.stderr, flush=True)
+    worker.run_forever()
+    return 0

@@ -1,0 +1,108 @@
+"""A small deterministic workflow for the queue's crash tests, and its worker executor factory.
+
+Four nodes, two of them LLM calls on the real engine (seeded sampling, a few tokens each), so a
+run is a handful of checkpoints and a dozen acceptance entries. The LLM nodes write each decode
+step to the acceptance log as it happens (not at the end of the call), so a worker killed mid-call
+leaves partial entries: the recovery path under test (``begin_call`` deletes them before the call is
+re-run). ``step_delay_s`` in the input slows each step down so that a kill lands mid-call.
+
+Used in-process by the tests and by worker subprocesses:
+``elesium worker --executor queue_workflow:make_executor`` with ``tests/`` on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from typing import Any, TypedDict
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+
+from elesium.inference.sampling import SamplingParams
+from elesium.state.acceptance_log import AcceptanceEntry, Retention
+from elesium.state.graph_executor import GraphExecutor
+from elesium.state.queue import Lease, RunQueue
+
+TOPICS = ["a fruit", "a colour", "a planet", "an animal", "a river", "a city", "a tool", "a song"]
+MAX_TOKENS = 8
+
+
+class State(TypedDict, total=False):
+    topic: str
+    seed: int
+    step_delay_s: float
+    prompt: str
+    draft: str
+    draft_ids: list[int]
+    refine: str
+    refine_ids: list[int]
+    steps: int
+    summary: str
+
+
+def call_seed(run_seed: int, node: str) -> int:
+    """Per-call seed from (run seed, node): node-local, so a resumed run draws the same numbers."""
+    return int.from_bytes(hashlib.sha256(f"{run_seed}:{node}".encode()).digest()[:7], "big")
+
+
+def run_input(i: int, *, step_delay_s: float = 0.0) -> dict[str, Any]:
+    return {"topic": TOPICS[i % len(TOPICS)], "seed": 1000 + i, "step_delay_s": step_delay_s}
+
+
+def _llm(name: str, prompt_of: Any, out: str, engine: Any) -> Any:
+    def node(state: State, config: RunnableConfig) -> dict[str, Any]:
+        lease: Lease = config["configurable"]["lease"]
+        run_id = config["configurable"]["run_id"]
+        log = lease.acceptance_log(retention=Retention(maxlen=None))
+        log.begin_call(run_id, name, 0)  # drop what a crashed attempt wrote for this call
+        seed = call_seed(state["seed"], name)
+        base = state.get("steps", 0)
+        count = [0]
+        delay = float(state.get("step_delay_s", 0.0))
+
+        def on_step(record: Any) -> None:
+            lease.check()
+            log.append(AcceptanceEntry(run_id=run_id, node_id=name, step_id=base + count[0], record=record,
+                                       call_index=0, call_seed=seed))
+            count[0] += 1
+            if delay:
+                time.sleep(delay)
+
+        gen = engine.generate(prompt_of(state), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed),
+                              on_step=on_step)
+        return {out: gen.text, f"{out}_ids": list(gen.token_ids), "steps": base + count[0]}
+
+    return node
+
+
+def build(saver: Any, engine: Any) -> Any:
+    """The compiled graph: prepare -> draft (LLM) -> refine (LLM) -> finish."""
+    g = StateGraph(State)
+    g.add_node("prepare", lambda s: {"prompt": f"Name {s['topic']} in one word.", "steps": 0})
+    g.add_node("draft", _llm("draft", lambda s: s["prompt"], "draft", engine))
+    g.add_node("refine", _llm("refine", lambda s: f"Describe {s['draft'].strip() or s['topic']} briefly.",
+                              "refine", engine))
+    g.add_node("finish", lambda s: {"summary": f"{s['topic']}|{len(s['draft_ids'])}|{len(s['refine_ids'])}"})
+    g.add_edge(START, "prepare")
+    g.add_edge("prepare", "draft")
+    g.add_edge("draft", "refine")
+    g.add_edge("refine", "finish")
+    g.add_edge("finish", END)
+    return g.compile(checkpointer=saver)
+
+
+def executor(engine: Any) -> GraphExecutor:
+    return GraphExecutor(
+        lambda lease, saver: build(saver, engine),
+        config=lambda lease: {"configurable": {"thread_id": lease.thread_id, "run_id": lease.run_id,
+                                               "lease": lease}},
+    )
+
+
+def make_executor(args: argparse.Namespace, queue: RunQueue) -> GraphExecutor:
+    """``elesium worker --executor queue_workflow:make_executor``: the real engine, CPU float32."""
+    from elesium.inference.engine import Engine
+
+    return executor(Engine.load(device="cpu", dtype="float32", max_len=2048))

@@ -1,0 +1,282 @@
+"""The durable run queue on a real Valkey: idempotent enqueue, fencing, reclaim, cancel, timeouts.
+
+No model here (the crash tests with the engine are in test_queue_crash.py): executors are small
+LangGraph graphs or plain functions, so each test takes well under a second of CPU.
+"""
+
+from __future__ import annotations
+
+import operator
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
+from elesium.state.checkpointer import RedisSaver
+from elesium.state.fenced import entry_attempts
+from elesium.state.graph_executor import GraphExecutor
+from elesium.state.queue import (
+    Delivery,
+    IdempotencyConflictError,
+    Lease,
+    LeaseLostError,
+    RunQueue,
+)
+from elesium.state.queue_worker import QueueWorker
+from elesium.inference.records import StepRecord
+
+pytest_plugins = ["state_fixtures"]
+
+
+@pytest.fixture
+def queue(redis_url: str, key_prefix: str) -> RunQueue:
+    return RunQueue.from_url(redis_url, prefix=f"{key_prefix}:q", lease_ttl_ms=600)
+
+
+class _S(TypedDict, total=False):
+    n: int
+    trail: Annotated[list[str], operator.add]
+
+
+def _graph(saver: Any, slow: threading.Event | None = None, lease: Lease | None = None) -> Any:
+    """a -> b -> c; b waits on ``slow`` (checking the lease) when given, to hold a run mid-step."""
+
+    def b(state: _S) -> dict[str, Any]:
+        while slow is not None and not slow.is_set():
+            if lease is not None:
+                lease.check()
+            time.sleep(0.01)
+        return {"n": state["n"] * 10, "trail": ["b"]}
+
+    g = StateGraph(_S)
+    g.add_node("a", lambda s: {"n": s["n"] + 1, "trail": ["a"]})
+    g.add_node("b", b)
+    g.add_node("c", lambda s: {"n": s["n"] + 2, "trail": ["c"]})
+    g.add_edge(START, "a")
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    g.add_edge("c", END)
+    return g.compile(checkpointer=saver)
+
+
+def _history(client: Any, prefix: str, thread: str) -> list[tuple[int, list[str]]]:
+    saver = RedisSaver(client, prefix=prefix)
+    rows = list(saver.list({"configurable": {"thread_id": thread}}))
+    return sorted((t.metadata["step"], list(t.checkpoint["channel_values"].get("trail", []))) for t in rows)
+
+
+def test_enqueue_is_idempotent_by_key(queue: RunQueue) -> None:
+    first = queue.enqueue("r1", {"x": 1}, idempotency_key="k1")
+    again = queue.enqueue("r2", {"x": 1}, idempotency_key="k1")
+    assert first.created and not again.created and again.run_id == "r1"
+    with pytest.raises(IdempotencyConflictError, match="different payload"):
+        queue.enqueue("r3", {"x": 2}, idempotency_key="k1")
+    with pytest.raises(IdempotencyConflictError, match="already queued"):
+        queue.enqueue("r1", {"x": 1}, idempotency_key="other")
+    assert queue.status("r2") is None and queue.status("r1").status == "queued"
+
+    results: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def racer(i: int) -> None:
+        barrier.wait()
+        results.append(queue.enqueue(f"race-{i}", {"y": 1}, idempotency_key="same"))
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r.created for r in results) == 1
+    assert len({r.run_id for r in results}) == 1
+    assert queue.client.xlen(queue.stream_key) == 2  # r1 and the race winner, nothing else
+
+
+def test_enqueue_rejects_bad_input(queue: RunQueue) -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        queue.enqueue("", {})
+    with pytest.raises(ValueError, match="timeout_s"):
+        queue.enqueue("r", {}, timeout_s=-1)
+    assert queue.status("r") is None
+
+
+def test_a_superseded_worker_cannot_write(queue: RunQueue, key_prefix: str) -> None:
+    queue.enqueue("run-f", {"input": {"n": 1}})
+    (delivery,) = queue.read_new("w1", 1, 100)
+    first = queue.claim(delivery, "w1")
+    assert isinstance(first, Lease) and first.token == 1
+    assert queue.claim(delivery, "w2") == "busy"
+    time.sleep(0.7)  # w1 stops heartbeating: its lease expires
+    second = queue.claim(delivery, "w2")
+    assert isinstance(second, Lease) and second.token == 2
+    assert queue.renew(first) == (False, False)
+
+    cp = f"{key_prefix}:cp"
+    with pytest.raises(LeaseLostError):
+        _graph(first.saver(prefix=cp)).invoke({"n": 1, "trail": []}, {"configurable": {"thread_id": "run-f"}})
+    assert _history(queue.client, cp, "run-f") == []  # not even the input checkpoint got through
+    out = _graph(second.saver(prefix=cp)).invoke({"n": 1, "trail": []}, {"configurable": {"thread_id": "run-f"}})
+    assert out["n"] == 22
+    assert not queue.finish(first, "succeeded")  # the old owner cannot record an outcome either
+    assert queue.finish(second, "succeeded")
+    assert queue.status("run-f").status == "succeeded" and queue.pending_count() == 0
+
+
+def test_begin_call_keeps_one_attempt_per_call(queue: RunQueue, key_prefix: str) -> None:
+    queue.enqueue("run-a", {})
+    (delivery,) = queue.read_new("w1", 1, 100)
+    one = queue.claim(delivery, "w1")
+    log_prefix = f"{key_prefix}:acc"
+    rec = StepRecord(step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1, accepted_nodes=(0,),
+                     tokens=(5,))
+    entry = AcceptanceEntry(run_id="run-a", node_id="llm", step_id=0, record=rec, call_index=0)
+    log1 = one.acceptance_log(prefix=log_prefix)
+    log1.append_many([entry, entry])  # a partial call: the worker "dies" here
+    queue.release(one)
+    two = queue.claim(delivery, "w2")
+    log2 = two.acceptance_log(prefix=log_prefix)
+    with pytest.raises(LeaseLostError):
+        log1.append(entry)
+    assert log2.begin_call("run-a", "llm", 0) == 2
+    log2.append_many([entry, entry, entry])
+    plain = AcceptanceLog(queue.client, prefix=log_prefix)
+    assert [a for _, a in entry_attempts(plain, "run-a")] == [2, 2, 2]
+    assert len(plain.read("run-a")) == 3
+
+
+def _worker(queue: RunQueue, execute: Any, **kw: Any) -> QueueWorker:
+    return QueueWorker(queue, execute, block_ms=100, **kw).start()
+
+
+def test_handed_back_run_resumes_from_its_checkpoint(queue: RunQueue, key_prefix: str) -> None:
+    cp = f"{key_prefix}:cp"
+    gate = threading.Event()
+    calls: list[str] = []
+
+    def build(lease: Lease, saver: Any) -> Any:
+        calls.append(lease.worker_id)
+        return _graph(saver, slow=None if lease.worker_id == "B" else gate, lease=lease)
+
+    execute = GraphExecutor(build, saver_options={"prefix": cp})
+    a = _worker(queue, execute, worker_id="A")
+    queue.enqueue("run-h", {"input": {"n": 1, "trail": []}})
+    deadline = time.monotonic() + 10
+    while len(_history(queue.client, cp, "run-h")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # wait until A has checkpointed "a" and is stuck in "b"
+    assert a.stop(grace_s=0.1) == ["run-h"]
+    b = _worker(queue, execute, worker_id="B")
+    try:
+        state = queue.wait("run-h", timeout_s=15)
+    finally:
+        b.stop(1)
+    assert state.status == "succeeded" and state.attempts == 2 and state.worker == "B"
+    assert calls == ["A", "B"]
+    steps = _history(queue.client, cp, "run-h")
+    assert [s for s, _ in steps] == [-1, 0, 1, 2, 3]  # no step lost, none repeated
+    assert steps[-1][1] == ["a", "b", "c"]
+
+
+def test_cancel_reaches_a_running_run(queue: RunQueue) -> None:
+    started = threading.Event()
+
+    def execute(run_id: str, lease: Lease) -> None:
+        started.set()
+        while True:
+            lease.check()
+            time.sleep(0.01)
+
+    w = _worker(queue, execute)
+    try:
+        queue.enqueue("run-c", {})
+        assert started.wait(5)
+        assert queue.cancel("run-c") == "cancelling"
+        state = queue.wait("run-c", timeout_s=5)
+    finally:
+        w.stop(1)
+    assert state.status == "cancelled" and queue.pending_count() == 0
+
+
+def test_cancel_before_start_never_executes(queue: RunQueue) -> None:
+    ran: list[str] = []
+    queue.enqueue("run-q", {})
+    assert queue.cancel("run-q") == "cancelled"
+    w = _worker(queue, lambda run_id, lease: ran.append(run_id))
+    try:
+        deadline = time.monotonic() + 5
+        while queue.pending_count() or queue.client.xlen(queue.stream_key):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        w.stop(1)
+    assert ran == [] and queue.status("run-q").status == "cancelled"
+    with pytest.raises(KeyError):
+        queue.cancel("no-such-run")
+
+
+def test_timeout_and_failure_end_the_run(queue: RunQueue) -> None:
+    def execute(run_id: str, lease: Lease) -> None:
+        if run_id == "boom":
+            raise ValueError("bad thing\nsecond line")
+        while True:
+            lease.check()
+            time.sleep(0.01)
+
+    w = _worker(queue, execute, concurrency=2)
+    try:
+        queue.enqueue("slow", {}, timeout_s=0.4)
+        queue.enqueue("boom", {})
+        slow, boom = queue.wait("slow", 10), queue.wait("boom", 10)
+    finally:
+        w.stop(1)
+    assert slow.status == "failed" and "time limit" in slow.error
+    assert boom.status == "failed" and boom.error == "bad thing"
+
+
+def test_a_dead_workers_entry_is_reclaimed(queue: RunQueue) -> None:
+    """A claim whose worker vanished (no heartbeat, no ack) is taken over after the lease TTL."""
+    queue.enqueue("run-d", {"v": 1})
+    (delivery,) = queue.read_new("ghost", 1, 100)
+    ghost = queue.claim(delivery, "ghost")
+    assert isinstance(ghost, Lease)
+    seen: list[tuple[str, int]] = []
+    w = _worker(queue, lambda run_id, lease: seen.append((run_id, lease.token)))
+    try:
+        state = queue.wait("run-d", 10)
+    finally:
+        w.stop(1)
+    assert seen == [("run-d", 2)] and state.status == "succeeded" and state.attempts == 2
+
+
+def test_gives_up_after_max_attempts(redis_url: str, key_prefix: str) -> None:
+    queue = RunQueue.from_url(redis_url, prefix=f"{key_prefix}:q", lease_ttl_ms=200, max_attempts=2)
+    queue.enqueue("run-x", {})
+    for worker in ("w1", "w2"):
+        time.sleep(0.25)
+        got = queue.reclaim(worker, 1) or queue.read_new(worker, 1, 100)
+        assert isinstance(queue.claim(got[0], worker), Lease)
+    time.sleep(0.25)
+    (last,) = queue.reclaim("w3", 1)
+    assert queue.claim(last, "w3") == "done:failed"
+    assert "gave up after 2 attempts" in queue.status("run-x").error
+
+
+def test_delivery_payload_roundtrip(queue: RunQueue) -> None:
+    queue.enqueue("run-p", {"input": {"text": "héllo {x}"}, "n": [1, 2]}, thread_id="thr:{odd}", timeout_s=3)
+    (d,) = queue.read_new("w", 1, 100)
+    assert d == Delivery(d.entry_id, "run-p", "thr:{odd}", {"input": {"text": "héllo {x}"}, "n": [1, 2]}, 3000)
+
+
+def test_worker_cli_rejects_bad_flags() -> None:
+    elesium = str(Path(sys.executable).parent / "elesium")
+    proc = subprocess.run([elesium, "worker", "--concurrency", "0",
+                           "--redis-url", f"redis://127.0.0.1:1/{uuid.uuid4().int % 10}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "elesium: error: --concurrency must be >= 1, got 0"
