@@ -68,16 +68,39 @@ def _summary_factory() -> StateGraph:
     return builder
 
 
-def approval(prompt: str = "Write one short sentence about {topic}.") -> Workflow:
-    return Workflow.define("approval", _approval_factory(prompt), TopicIn, description="draft, approve, finish")
+def approval(prompt: str = "Write one short sentence about {topic}.", name: str = "approval") -> Workflow:
+    return Workflow.define(name, _approval_factory(prompt), TopicIn, description="draft, approve, finish")
+
+
+def _story_factory() -> StateGraph:
+    builder = StateGraph(SummaryState)
+    builder.add_node(llm_node("write", prompt="Tell a long story about {topic}.", output_key="summary",
+                              params={"max_tokens": 48}))
+    builder.add_edge(START, "write")
+    builder.add_edge("write", END)
+    return builder
+
+
+def story() -> Workflow:
+    """One longer generation (48 tokens): something to cancel or walk away from mid-way."""
+    return Workflow.define("story", _story_factory, TopicIn, description="one long LLM call")
 
 
 def summary() -> Workflow:
     return Workflow.define("summary", _summary_factory, TopicIn, description="one LLM call")
 
 
-def test_registry() -> Registry:
-    registry = Registry()
-    registry.register(approval())
-    registry.register(summary())
+class EditableRegistry(Registry):
+    """A registry a test can take a version out of: a deployment that no longer has the old code."""
+
+    def drop(self, name: str, version: str) -> None:
+        del self._by_name[name][version]
+        if self._latest.get(name) == version:
+            self._latest[name] = next(iter(self._by_name[name]))
+
+
+def build_registry() -> EditableRegistry:
+    registry = EditableRegistry()
+    for workflow in (approval(), approval(name="approval-versioned"), summary(), story()):
+        registry.register(workflow)
     return registry

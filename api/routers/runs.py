@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,19 +15,16 @@ from elesium.api.execution import Services
 from elesium.api.routers.common import follow_until_disconnect, run_json, services, sse_frame
 from elesium.api.schemas import RunCreate
 from elesium.graphs.replay import jsonable
-from elesium.state.threads import RunRow
+from elesium.state.threads import RunRow, ThreadRow
 
 router = APIRouter(tags=["runs"])
 
 
 def _create(svc: Services, who: Principal, thread_id: str | None, body: RunCreate) -> tuple[RunRow, RunChannel]:
-    if thread_id is None:
-        thread = svc.create_thread(who, metadata={"stateless": True})
-        try:
-            wf, row = svc.prepare_run(who, thread, body)
-        except HTTPException:
-            svc.store.delete_thread(thread.thread_id, who.tenant)
-            raise
+    if thread_id is None:  # stateless: validate against a thread that exists only once the run is valid
+        thread = ThreadRow(thread_id=str(uuid.uuid4()), tenant=who.tenant, metadata={"stateless": True})
+        wf, row = svc.prepare_run(who, thread, body)
+        svc.create_thread(who, thread.thread_id, thread.metadata)
     else:
         thread = svc.store.get_thread(thread_id, who.tenant)
         if thread is None:
