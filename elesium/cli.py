@@ -13,7 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker")
+COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker", "run",
+            "resume", "workflows")
 
 
 class CliError(Exception):
