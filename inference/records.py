@@ -10,7 +10,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-DecodeMode = Literal["vanilla", "medusa", "typical"]
+DecodeMode = Literal["vanilla", "speculative", "typical"]
+"""How a generation decodes: one token per forward, exact tree verification, or relaxed (typical)."""
+
+_MODE_NAMES: dict[str, DecodeMode] = {"vanilla": "vanilla", "speculative": "speculative", "typical": "typical",
+                                      "medusa": "speculative"}
+"""Canonical modes plus legacy aliases: "medusa" named the exact tree mode before it also ran Hydra
+heads and the attention drafter; old CLI flags, bench files and stored records still say it."""
+
+
+def normalize_mode(name: str) -> DecodeMode:
+    """The canonical ``DecodeMode`` for ``name`` or a legacy alias (old CLI flags, stored records).
+
+    Raises ValueError with one line naming the accepted values for anything else.
+    """
+    if name in _MODE_NAMES:
+        return _MODE_NAMES[name]
+    raise ValueError(f"unknown decoding mode {name!r}; use vanilla, speculative (alias medusa) or typical")
 
 
 @dataclass(frozen=True)
@@ -19,8 +35,9 @@ class StepRecord:
 
     Attributes:
         step: 0-based index of the step within one generation (the prefill is not a step).
-        mode: "vanilla" (one token per forward), "medusa" (exact tree verification) or "typical"
-            (Medusa's relaxed acceptance; NOT distribution-exact).
+        mode: "vanilla" (one token per forward), "speculative" (exact tree verification; records
+            written before the rename say "medusa", which ``from_dict`` reads as "speculative") or
+            "typical" (Medusa's relaxed acceptance; NOT distribution-exact).
         tree_size: nodes in the verified tree, root included (1 for vanilla).
         tree_depth: deepest node's depth (root is depth 0).
         accepted_length: tokens this step committed: accepted draft nodes plus the one token
@@ -53,7 +70,7 @@ class StepRecord:
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
         return cls(
             step=int(d["step"]),
-            mode=d["mode"],
+            mode=normalize_mode(d["mode"]),
             tree_size=int(d["tree_size"]),
             tree_depth=int(d["tree_depth"]),
             accepted_length=int(d["accepted_length"]),

@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="base seed (default: the prompt's index)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
-    p.add_argument("--mode", choices=["medusa", "typical"], default="medusa")
+    p.add_argument("--mode", choices=["speculative", "medusa", "typical"], default="speculative",
+                   help="the speculative mode to time (medusa: the old name of speculative); names bench.json's keys")
     p.add_argument("--vanilla-only", action="store_true", help="time vanilla decoding alone")
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager launches on CUDA (for comparison)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -27,29 +28,32 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.tuning.benchmark import read_prompts, run_bench, write_plots
+    from elesium.inference.prompts import read_prompts
+    from elesium.inference.records import normalize_mode
     from elesium.inference.sampling import SamplingParams
+    from elesium.inference.tuning.benchmark import run_bench, write_plots
 
+    mode = normalize_mode(args.mode)
     prompts = read_prompts(args.prompts, args.limit)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     engine = load_engine(args, cuda_graphs=False if args.no_cuda_graphs else None)
-    if not args.vanilla_only and args.mode not in engine.modes:
-        raise ValueError(f"mode {args.mode!r} needs Medusa heads for this model; use --vanilla-only")
+    if not args.vanilla_only and mode not in engine.modes:
+        raise ValueError(f"mode {mode!r} needs Medusa heads for this model; use --vanilla-only")
 
     def progress(i: int, row: dict) -> None:
         extra = f" speedup {row['speedup']:.2f}x tau {row['mean_accepted']:.2f}" if "speedup" in row else ""
         print(f"[{i + 1}/{len(prompts)}] vanilla {row['vanilla_ms_per_token']:.1f} ms/token{extra}",
               file=sys.stderr, flush=True)
 
-    doc = run_bench(engine, prompts, params, args.mode, progress, vanilla_only=args.vanilla_only)
+    doc = run_bench(engine, prompts, params, mode, progress, vanilla_only=args.vanilla_only)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(doc, indent=1))
     write_plots(doc, args.out)
     summary = {k: doc[k] for k in ("prompts", "device", "dtype", "vanilla") if k in doc}
     if "speedup" in doc:
-        summary |= {"speedup": doc["speedup"], args.mode: {k: v for k, v in doc[args.mode].items()
-                                                            if k != "accept_rate_by_depth"},
+        summary |= {"speedup": doc["speedup"], mode: {k: v for k, v in doc[mode].items()
+                                                       if k != "accept_rate_by_depth"},
                     "identical_outputs": doc["identical_outputs"]}
     print(json.dumps(summary, indent=1))
     return 0

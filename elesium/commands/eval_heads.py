@@ -23,14 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.training.head_training import read_eval_prompts, score_prompts
+    from elesium.inference.prompts import read_prompts
+    from elesium.inference.training.head_training import score_prompts
     from elesium.inference.drafters.files import load_heads
 
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2 (a head needs a token past the next one), got {args.max_tokens}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    prompts = read_eval_prompts(args.prompts)
+    prompts = read_prompts(args.prompts)
     engine = load_engine(args, heads=None)  # the heads are loaded below, where a mismatch must raise
     heads = load_heads(None if args.heads in (None, "none") else args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
                        dtype=engine.model.dtype)

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from elesium.config import Settings
-    from elesium.inference.tuning.benchmark import read_prompts
+    from elesium.inference.prompts import read_prompts
     from elesium.inference.training.distill import build_prompts
     from elesium.inference.tuning.profile import profile_path
     from elesium.inference.tuning.tuner import tune

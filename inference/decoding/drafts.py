@@ -19,26 +19,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-Path = tuple[int, ...]
+RankPath = tuple[int, ...]
+"""Ranks from the root: ``(0, 2)`` is the third-best draft under the best first draft."""
 
 
 class DraftSet(Protocol):
     """Candidate continuations; children of a path are ranked by log-probability, best first."""
 
-    def num_children(self, path: Path) -> int:
+    def num_children(self, path: RankPath) -> int:
         """Ranks available under ``path`` (0: a leaf, nothing was drafted after it)."""
         ...
 
-    def token(self, path: Path) -> int:
+    def token(self, path: RankPath) -> int:
         """The drafted token at a non-empty path."""
         ...
 
-    def score(self, path: Path) -> float:
+    def score(self, path: RankPath) -> float:
         """Log-probability (at the draft temperature) of the path's last token given its parent."""
         ...
 
 
-def contains(drafts: DraftSet, path: Path) -> bool:
+def contains(drafts: DraftSet, path: RankPath) -> bool:
     """Whether every step of ``path`` was drafted."""
     return all(r < drafts.num_children(path[:i]) for i, r in enumerate(path))
 
@@ -50,13 +51,13 @@ class FactoredDrafts:
     tokens: Sequence[Sequence[int]]
     scores: Sequence[Sequence[float]]
 
-    def num_children(self, path: Path) -> int:
+    def num_children(self, path: RankPath) -> int:
         return len(self.scores[len(path)]) if len(path) < len(self.scores) else 0
 
-    def token(self, path: Path) -> int:
+    def token(self, path: RankPath) -> int:
         return self.tokens[len(path) - 1][path[-1]]
 
-    def score(self, path: Path) -> float:
+    def score(self, path: RankPath) -> float:
         return self.scores[len(path) - 1][path[-1]]
 
     @classmethod
@@ -69,16 +70,16 @@ class FactoredDrafts:
 class ExpandedDrafts:
     """Hydra: ``children[path] = (tokens, scores)`` for every path the heads expanded."""
 
-    children: dict[Path, tuple[Sequence[int], Sequence[float]]]
+    children: dict[RankPath, tuple[Sequence[int], Sequence[float]]]
 
-    def num_children(self, path: Path) -> int:
+    def num_children(self, path: RankPath) -> int:
         kids = self.children.get(path)
         return len(kids[0]) if kids is not None else 0
 
-    def token(self, path: Path) -> int:
+    def token(self, path: RankPath) -> int:
         return self.children[path[:-1]][0][path[-1]]
 
-    def score(self, path: Path) -> float:
+    def score(self, path: RankPath) -> float:
         return self.children[path[:-1]][1][path[-1]]
 
     @classmethod
@@ -90,8 +91,8 @@ class ExpandedDrafts:
         level has ``min(width, rows * k)`` rows, where ``rows`` is the level before's. Row i of level
         l > 0 extends candidate ``parents[i]`` of level l-1: a flat index ``row * k + rank`` into it.
         """
-        children: dict[Path, tuple[Sequence[int], Sequence[float]]] = {}
-        level_paths: list[Path] = [()]
+        children: dict[RankPath, tuple[Sequence[int], Sequence[float]]] = {}
+        level_paths: list[RankPath] = [()]
         start, k = 0, len(tokens[0]) if tokens else 0
         while start < len(tokens):
             if start > 0:

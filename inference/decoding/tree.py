@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from elesium.inference.decoding.drafts import DraftSet, Path, contains
+from elesium.inference.decoding.drafts import DraftSet, RankPath, contains
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class Tree:
     ranks: tuple[int, ...]
 
     @classmethod
-    def from_paths(cls, paths: Sequence[Path]) -> "Tree":
+    def from_paths(cls, paths: Sequence[RankPath]) -> "Tree":
         """Build from rank paths; missing prefixes are added, order is (depth, path)."""
-        closed: set[Path] = set()
+        closed: set[RankPath] = set()
         for p in paths:
             for i in range(1, len(p) + 1):
                 closed.add(tuple(p[:i]))
@@ -50,10 +50,6 @@ class Tree:
             depths.append(len(p))
             ranks.append(p[-1])
         return cls(tuple(parents), tuple(depths), tuple(ranks))
-
-    @classmethod
-    def chain(cls, length: int) -> "Tree":
-        return cls.from_paths([(0,) * length] if length else [])
 
     def truncated(self, size: int) -> "Tree":
         """The first ``size`` nodes: still a tree, since parents precede their children."""
@@ -80,8 +76,8 @@ class Tree:
         return tuple(tuple(sorted(k, key=lambda n: self.ranks[n])) for k in kids)
 
     @cached_property
-    def paths(self) -> tuple[Path, ...]:
-        out: list[Path] = [()]
+    def paths(self) -> tuple[RankPath, ...]:
+        out: list[RankPath] = [()]
         for node in range(1, self.size):
             out.append(out[self.parents[node]] + (self.ranks[node],))
         return tuple(out)
@@ -90,8 +86,8 @@ class Tree:
     def _ancestors(self) -> torch.Tensor:
         """One Python int bitmask per node (parent's | own bit), unpacked in one numpy call.
 
-        Dynamic trees are rebuilt every step; the per-node tensor loop of ``ancestors_reference``
-        cost ~10 us a node on the host, this ~0.3 us.
+        Dynamic trees are rebuilt every step; the obvious per-node tensor loop (tests/test_verify.py
+        holds this to it) cost ~10 us a node on the host, this ~0.3 us.
         """
         n = self.size
         width = (n + 7) // 8
@@ -101,16 +97,6 @@ class Tree:
         packed = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
         bits = np.unpackbits(packed.reshape(n, width), axis=1, bitorder="little")[:, :n]
         return torch.from_numpy(bits.astype(bool))
-
-    def ancestors_reference(self) -> torch.Tensor:
-        """The obvious per-node loop; tests compare the fast version against it."""
-        anc = torch.zeros(self.size, self.size, dtype=torch.bool)
-        for node in range(self.size):
-            anc[node, node] = True
-            parent = self.parents[node]
-            if parent >= 0:
-                anc[node] |= anc[parent]
-        return anc
 
     @cached_property
     def _depths(self) -> torch.Tensor:
@@ -124,16 +110,8 @@ class Tree:
         """RoPE positions: a node at depth d sits d places after the root's slot."""
         return (offset + self._depths).to(device)
 
-    def path_to(self, node: int) -> list[int]:
-        """Node ids from the root to ``node``, inclusive."""
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
 
-
-def ranked_paths(drafts: DraftSet, count: int, max_depth: int | None = None) -> list[tuple[Path, float]]:
+def ranked_paths(drafts: DraftSet, count: int, max_depth: int | None = None) -> list[tuple[RankPath, float]]:
     """The ``count`` paths with the highest total score, best first, with their totals.
 
     Scores are log-probabilities (so <= 0; ``FactoredDrafts.from_scores`` wraps a bare Medusa-style
@@ -142,8 +120,8 @@ def ranked_paths(drafts: DraftSet, count: int, max_depth: int | None = None) -> 
     comes out first.
     """
     depth_limit = max_depth if max_depth is not None else 1 << 30
-    chosen: list[tuple[Path, float]] = []
-    heap: list[tuple[float, Path]] = []
+    chosen: list[tuple[RankPath, float]] = []
+    heap: list[tuple[float, RankPath]] = []
     if depth_limit and drafts.num_children(()):
         heapq.heappush(heap, (-drafts.score((0,)), (0,)))
     while heap and len(chosen) < count:
@@ -170,14 +148,3 @@ def restricted(tree: Tree, drafts: DraftSet) -> Tree:
         return tree
     return Tree.from_paths([p for p in tree.paths[1:] if contains(drafts, p)])
 
-
-# Medusa's sparse tree for 4 heads with 63 candidates ("mc_sim_7b_63"), used until `elesium tune`
-# calibrates a tree for our heads on this hardware.
-MEDUSA_DEFAULT_PATHS: tuple[Path, ...] = (
-    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0),
-    (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0),
-    (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5),
-    (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9),
-    (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5),
-    (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
-)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elesium.inference.records import StepRecord
-from elesium.inference.decoding.drafts import DraftSet
-from elesium.inference.decoding.tree import Path, Tree, ranked_paths, restricted
+from elesium.inference.decoding.drafts import DraftSet, RankPath
+from elesium.inference.decoding.tree import Tree, ranked_paths, restricted
 
 TreeKind = Literal["static", "dynamic"]
 
@@ -59,7 +59,7 @@ class TreePolicy:
     """Builds each step's tree from the heads' top-k log-probabilities ``[heads, k]``."""
 
     kind: TreeKind = "dynamic"
-    static_paths: tuple[Path, ...] = ()
+    static_paths: tuple[RankPath, ...] = ()
     max_nodes: int = 64
     min_nodes: int = 2
     topk: int = 8

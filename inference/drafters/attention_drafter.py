@@ -15,9 +15,9 @@ each verification step the accepted nodes' hidden states, each paired with the t
 it, are appended (``forward`` with an offset), and the last row's output drafts the next step's
 level 1. Rejected branches never enter it, so it needs no tree mask.
 
-Two paths compute the same function: ``forward`` (cached, any offset, CUDA-graph friendly: it is the
-base model's own ``Block``) and ``sequence`` (whole sequences at once with fused causal attention, for
-training and scoring). ``tests/test_feature_drafter.py`` holds them to each other.
+Two paths compute the same function, both through the base model's own ``Block``: ``forward``
+(cached, any offset, CUDA-graph friendly) and ``sequence`` (``Block.causal``: whole sequences at once
+with fused causal attention, for training and scoring). ``tests/test_feature_drafter.py`` holds them to each other.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from elesium.inference.runtime.config import ModelConfig
-from elesium.inference.runtime.model import Block, Offset, apply_rope
+from elesium.inference.runtime.model import Block, Offset, Transformer
 
 
 class FeatureDrafter(nn.Module):
@@ -76,34 +75,24 @@ class FeatureDrafter(nn.Module):
         shape = (1, c.num_kv_heads, max_len, c.head_dim)
         return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
 
-    def inputs(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def inputs(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """``fc([h_t; e(x_{t+1})])`` in the drafter's dtype."""
-        e = model.embed(next_tokens)  # type: ignore[operator]
+        e = model.embed(next_tokens)
         return self.fc(torch.cat([hidden.to(self.dtype), e.to(self.dtype)], dim=-1))
 
-    def forward(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+    def forward(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset,
                 ancestors: torch.Tensor) -> torch.Tensor:
         """Cached path: rows ``[B, N]`` go to slots ``offset...`` and attend to every slot before them
         plus their ``ancestors`` (causal for the engine). Returns features ``[B, N, H]`` in ``hidden``'s dtype."""
-        cos = model.rope_cos[positions][None, None]  # type: ignore[index]
-        sin = model.rope_sin[positions][None, None]  # type: ignore[index]
+        cos, sin = model.rope_cos[positions][None, None], model.rope_sin[positions][None, None]
         x = self.inputs(model, hidden, next_tokens)
         return self.layer(x, cos, sin, k_cache, v_cache, offset, ancestors, None).to(hidden.dtype)
 
-    def sequence(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Whole sequences ``[B, N]`` from position 0, no cache: ``forward``'s function, with fused causal
-        attention (and a backward pass) for training. Right padding is harmless: nothing looks ahead."""
-        c, blk = self.layer_config, self.layer
-        b, n, _ = hidden.shape
-        pos = torch.arange(n, device=hidden.device)
-        cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]  # type: ignore[index]
-        x = self.inputs(model, hidden, next_tokens)
-        q, k, v = blk.attn.wqkv(blk.attn_norm(x)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(b, n, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
-        x = x + blk.attn.wo(a.transpose(1, 2).reshape(b, n, c.q_size))
-        gate, up = blk.w13(blk.mlp_norm(x)).chunk(2, dim=-1)
-        return (x + blk.w2(F.silu(gate) * up)).to(hidden.dtype)
+    def sequence(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Whole sequences ``[B, N]`` from position 0, no cache: ``forward``'s function through the same
+        ``Block`` with fused causal attention (and a backward pass) for training. Right padding is
+        harmless: nothing looks ahead."""
+        pos = torch.arange(hidden.shape[1], device=hidden.device)
+        cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]
+        return self.layer.causal(self.inputs(model, hidden, next_tokens), cos, sin).to(hidden.dtype)

@@ -22,7 +22,7 @@ MANIFEST_FORMAT = "elesium-draft-heads/1"
 READABLE_FORMATS = (MANIFEST_FORMAT, "elesium-medusa-heads/1")
 WEIGHTS_FILE = "heads.safetensors"
 MANIFEST_FILE = "manifest.json"
-DRAFTER_FILE = "drafter.safetensors"  # feature_drafter.py's weights, beside the heads'
+DRAFTER_FILE = "drafter.safetensors"  # attention_drafter.py's weights, beside the heads'
 
 
 class HeadsMismatchError(ValueError):
@@ -35,10 +35,10 @@ def default_heads_dir() -> Path:
 
 
 if TYPE_CHECKING:
-    from elesium.inference.drafters.hydra import DraftHeads
+    from elesium.inference.drafters.hydra import HeadsModule
 
 
-def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, Any],
+def save_heads(heads: HeadsModule, directory: str | Path, manifest: dict[str, Any],
                storage: Scheme = "float") -> Path:
     """Write ``heads.safetensors`` and ``manifest.json`` to ``directory``.
 
@@ -52,7 +52,7 @@ def save_heads(heads: "DraftHeads", directory: str | Path, manifest: dict[str, A
     if not sha:
         raise ValueError("the manifest needs base_model.sha256 (the base model the heads were trained on)")
     directory.mkdir(parents=True, exist_ok=True)
-    drafter = getattr(heads, "drafter", None)
+    drafter = heads.drafter
     own = {k: v for k, v in heads.state_dict().items() if not k.startswith("drafter.")}
     write_state(directory / WEIGHTS_FILE, own, storage, heads.dtype, {"format": MANIFEST_FORMAT})
     block: dict[str, Any] = {**manifest.get("heads", {}), **heads.config(),
@@ -84,7 +84,7 @@ def read_manifest(path: str | Path | None = None) -> dict[str, Any]:
 
 
 def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> "DraftHeads":
+               dtype: torch.dtype = torch.float32) -> HeadsModule:
     """Load heads from a directory (None: the shipped default), checking they fit the base model.
 
     Raises:
@@ -97,7 +97,7 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
     trained_for = (manifest.get("base_model") or {}).get("sha256")
     if trained_for != base_sha256:
         raise HeadsMismatchError(
-            f"Medusa heads in {directory} were trained for base model sha256 {trained_for}, but the loaded "
+            f"draft heads in {directory} were trained for base model sha256 {trained_for}, but the loaded "
             f"model is sha256 {base_sha256}; train heads for this model with `elesium train-heads`")
     weights = directory / WEIGHTS_FILE
     if not weights.exists():
@@ -123,8 +123,8 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def build_heads(cfg: dict[str, Any]) -> "DraftHeads":
-    """Untrained heads of the shape a manifest's ``heads`` block (or ``DraftHeads.config()``) names."""
+def build_heads(cfg: dict[str, Any]) -> HeadsModule:
+    """Untrained heads of the shape a manifest's ``heads`` block (or the heads' ``config()``) names."""
     from elesium.inference.drafters.hydra import HydraHeads
 
     kind = cfg.get("kind", "medusa")

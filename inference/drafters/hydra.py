@@ -30,6 +30,7 @@ from torch import nn
 
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.medusa import MedusaHeads, ResBlock
+from elesium.inference.runtime.model import Transformer
 
 Conditioning = Literal["concat", "chain"]
 
@@ -60,7 +61,9 @@ class HydraHeads(nn.Module):
         logits = model.logits(out)                               # [K, B, V]; head k saw next_tokens[:, :k+1]
     """
 
-    conditioned = True  # drafts depend on the path: the engine drafts per step, after verification
+    # The ``drafters.protocol.ExpandingHeads`` members that are not modules or methods.
+    conditioned: Literal[True] = True  # drafts depend on the path: the engine drafts per step, after verification
+    source_sha256: str = ""  # set by load_heads to the files' sha256 (drafter's file included)
 
     def __init__(self, hidden_size: int, num_heads: int = 4, num_layers: int = 1,
                  conditioning: Conditioning = "concat") -> None:
@@ -77,7 +80,7 @@ class HydraHeads(nn.Module):
         self.heads = nn.ModuleList(
             nn.Sequential(ConditionedBlock(w, hidden_size), *[ResBlock(hidden_size) for _ in range(num_layers - 1)])
             for w in widths)
-        # Optional attention drafter for level 1 (``feature_drafter.py``); stored in its own file.
+        # Optional attention drafter for level 1 (``attention_drafter.py``); stored in its own file.
         self.drafter: FeatureDrafter | None = None
 
     @property
@@ -90,7 +93,7 @@ class HydraHeads(nn.Module):
         out = self.heads[k](z)
         return out, (z if self.conditioning == "concat" else out)
 
-    def teacher_forced(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def teacher_forced(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Every head's output ``[K, ..., H]`` (in ``hidden``'s dtype) along the given path.
 
         ``next_tokens[..., j]`` is ``x_{t+1+j}``; head k reads ``x_{t+1} ... x_{t+1+k}`` and guesses
@@ -101,11 +104,11 @@ class HydraHeads(nn.Module):
         state = hidden.to(self.dtype)
         outs = []
         for k in range(self.num_heads):
-            out, state = self.advance(k, state, model.embed(next_tokens[..., k]))  # type: ignore[operator]
+            out, state = self.advance(k, state, model.embed(next_tokens[..., k]))
             outs.append(out)
         return torch.stack(outs).to(hidden.dtype)
 
-    def expand(self, model: nn.Module, hidden: torch.Tensor, token: torch.Tensor, width: int,
+    def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int,
                topk: int, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a candidate tree level by level, keeping the ``width`` best paths at each level.
 
@@ -126,9 +129,9 @@ class HydraHeads(nn.Module):
         parent = torch.full((1,), -1, dtype=torch.long, device=hidden.device)
         all_tokens, all_logprobs, all_parents = [], [], []
         for k in range(self.num_heads):
-            out, state = self.advance(k, state, model.embed(tok))  # type: ignore[operator]
+            out, state = self.advance(k, state, model.embed(tok))
             scored = first if k == 0 and first is not None else out
-            logp = torch.log_softmax(model.logits(scored.to(hidden.dtype)), dim=-1)  # type: ignore[operator]
+            logp = torch.log_softmax(model.logits(scored.to(hidden.dtype)), dim=-1)
             top = torch.topk(logp, topk, dim=-1)
             all_tokens.append(top.indices)
             all_logprobs.append(top.values)
@@ -146,5 +149,5 @@ class HydraHeads(nn.Module):
                 "hidden_size": self.hidden_size, "conditioning": self.conditioning}
 
 
-DraftHeads = MedusaHeads | HydraHeads
-"""Either kind of draft head; both have ``num_heads``, ``conditioned``, ``teacher_forced`` and ``config``."""
+HeadsModule = MedusaHeads | HydraHeads
+"""Either concrete kind, as built, trained and saved (``drafters.protocol.DraftHeads`` is what decoding sees)."""

@@ -26,9 +26,16 @@ file functions in ``files.py`` (which build either kind from the manifest).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from elesium.inference.drafters.attention_drafter import FeatureDrafter
+    from elesium.inference.runtime.model import Transformer
+
 
 class ResBlock(nn.Module):
     """``x + SiLU(W x + b)`` with ``W, b`` zero-initialised: the identity until trained."""
@@ -52,6 +59,11 @@ class MedusaHeads(nn.Module):
         hidden = engine.model(tokens, positions, cache, offset)[:, -1]      # [B, H]
         logits = heads.head_logits(engine.model, hidden)                    # [K, B, V] float32
     """
+
+    # The ``drafters.protocol.FactoredHeads`` members that are not modules or methods.
+    conditioned: Literal[False] = False  # drafts do not depend on the path: one top-k list per depth
+    drafter: FeatureDrafter | None = None  # never set: the attention drafter pairs with Hydra heads
+    source_sha256: str = ""  # set by load_heads to the files' sha256
 
     def __init__(self, hidden_size: int, num_heads: int = 4, num_layers: int = 1) -> None:
         super().__init__()
@@ -79,11 +91,11 @@ class MedusaHeads(nn.Module):
         x = hidden.to(self.dtype)
         return torch.stack([head(x) for head in self.heads]).to(hidden.dtype)
 
-    def head_logits(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[num_heads, ..., V]`` through the base model's shared ``lm_head``."""
-        return model.logits(self(hidden))  # type: ignore[operator]
+        return model.logits(self(hidden))
 
-    def teacher_forced(self, model: nn.Module, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def teacher_forced(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Same signature as ``HydraHeads.teacher_forced``; Medusa heads ignore the tokens."""
         return self(hidden)
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The floating-point types by the names the CLI, the settings and the heads' manifests use."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:

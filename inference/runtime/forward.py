@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from torch import nn
 
+from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, FactoredHeads, expands
 from elesium.inference.runtime.model import KVCache, Transformer
 
 PREFILL_CHUNK = 512
 T = TypeVar("T")
 DRAFT_TOPK = 10  # candidates per head computed in a fused step; trees use at most this many ranks
+TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+"""Tree sizes (nodes, root included) that get their own CUDA graph: a tree runs in the smallest bucket
+that holds it. The tuner measures the forward's cost at the same sizes, so its curve covers exactly
+the shapes the graphs replay."""
 
 
 @dataclass
@@ -38,14 +42,14 @@ class StepOutputs:
     draft_logprobs: torch.Tensor | None = None
 
 
-def draft_topk(model: Transformer, heads: nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_topk(model: Transformer, heads: FactoredHeads, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Heads' top-k tokens and log-probabilities, ``[..., heads, k]``, for hidden states ``[..., H]``."""
     logits = model.logits(heads(hidden)).movedim(0, -2)  # [..., heads, V]
     top = torch.topk(logits, k, dim=-1)
     return top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
-def draft_tree(model: Transformer, heads: nn.Module, rows: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor,
+def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor,
                last: torch.Tensor, width: int, topk: int,
                drafter_cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
@@ -57,7 +61,7 @@ def draft_tree(model: Transformer, heads: nn.Module, rows: torch.Tensor, tokens:
     call overwrites, and causal attention keeps them out of the real rows. With an ``int`` start
     this runs eagerly over the live slots; with a 0-d tensor it is static for capture.
     """
-    drafter = getattr(heads, "drafter", None)
+    drafter = heads.drafter
     first = None
     if drafter is not None:
         if drafter_cache is None:
@@ -68,16 +72,16 @@ def draft_tree(model: Transformer, heads: nn.Module, rows: torch.Tensor, tokens:
         feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
         first = feats.index_select(0, last)
     hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
-    return heads.expand(model, hidden, token, width, topk, first)  # type: ignore[operator]
+    return heads.expand(model, hidden, token, width, topk, first)
 
 
 class ForwardRunner:
     """Eager forwards over one KV cache (batch 1), plus the heads' drafter cache when they carry one."""
 
-    def __init__(self, model: Transformer, cache: KVCache, heads: nn.Module | None = None) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None) -> None:
         self.model = model
         self.cache = cache
-        self.heads: nn.Module | None = None
+        self.heads: DraftHeads | None = None
         self.drafter_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         ForwardRunner.set_heads(self, heads)
 
@@ -88,19 +92,20 @@ class ForwardRunner:
     @property
     def draft_rows(self) -> int:
         """Most rows one drafting call takes: a step accepts at most one node per level plus the root."""
-        return 1 if self.heads is None else self.heads.num_heads + 1  # type: ignore[operator]
+        return 1 if self.heads is None else self.heads.num_heads + 1
 
-    def set_heads(self, heads: nn.Module | None) -> None:
+    def set_heads(self, heads: DraftHeads | None) -> None:
         self.heads = heads
-        drafter = getattr(heads, "drafter", None)
+        drafter = None if heads is None else heads.drafter
         # Slack past the context for the graph runner's padding rows.
         self.drafter_cache = None if drafter is None else drafter.new_cache(
             self.cache.max_len + self.draft_rows, self.device, drafter.dtype)
 
-    def prefill_drafter(self, heads: nn.Module, hidden: torch.Tensor, next_tokens: list[int], start: int = 0) -> None:
+    def prefill_drafter(self, heads: DraftHeads, hidden: torch.Tensor, next_tokens: list[int],
+                        start: int = 0) -> None:
         """Write prompt rows into the drafter cache: ``hidden[i]`` (slot ``start + i``) paired with
         ``next_tokens[i]``, the token after it. A no-op for heads without a drafter."""
-        drafter = getattr(heads, "drafter", None)
+        drafter = heads.drafter
         if drafter is None or not next_tokens:
             return
         if heads is not self.heads or self.drafter_cache is None:
@@ -116,14 +121,14 @@ class ForwardRunner:
     def fuses_drafts(self) -> bool:
         """Whether verification steps also compute the next step's drafts (Medusa heads only: Hydra
         heads need the bonus token, which is chosen after the step)."""
-        return self.heads is not None and not getattr(self.heads, "conditioned", False)
+        return self.heads is not None and not expands(self.heads)
 
-    def expand(self, heads: nn.Module, rows: torch.Tensor, tokens: list[int], start: int, width: int,
+    def expand(self, heads: ExpandingHeads, rows: torch.Tensor, tokens: list[int], start: int, width: int,
                topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hydra heads' candidate tree (``draft_tree``): ``rows`` ``[R, H]`` are the positions written
         since the last call, from slot ``start``; ``tokens`` the token after each, the last being the
         chosen ``x_{t+1}``."""
-        if getattr(heads, "drafter", None) is not None and heads is not self.heads:
+        if heads.drafter is not None and heads is not self.heads:
             raise ValueError("the drafter's cache belongs to the runner's own heads")
         dev = self.device
         return draft_tree(self.model, heads, rows, torch.tensor(tokens, device=dev), start,
@@ -146,7 +151,7 @@ class ForwardRunner:
                      offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:
         """The step's whole device computation; the graph runner captures exactly this."""
         hidden = self.model(tokens, positions, self.cache, offset, ancestors)[0]
-        if not (with_drafts and self.heads is not None):
+        if not with_drafts or self.heads is None or expands(self.heads):
             logits = self.model.logits(hidden)
             return StepOutputs(hidden, logits, logits.argmax(-1))
         # One lm_head product for the nodes and every head at every node: the 49k x H weight is
@@ -186,8 +191,8 @@ class CudaGraphRunner(ForwardRunner):
     off the outputs.
     """
 
-    def __init__(self, model: Transformer, cache: KVCache, heads: nn.Module | None = None,
-                 buckets: tuple[int, ...] = (1,)) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None,
+                 buckets: tuple[int, ...] = TREE_BUCKETS) -> None:
         super().__init__(model, cache, heads)
         self.buckets = tuple(sorted(set(buckets)))
         # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
@@ -196,14 +201,14 @@ class CudaGraphRunner(ForwardRunner):
                                                      tuple[torch.Tensor, ...]]] = {}
         self._pool = None
 
-    def set_heads(self, heads: nn.Module | None) -> None:
+    def set_heads(self, heads: DraftHeads | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
         super().set_heads(heads)
         self._graphs.clear()
         self._expanders.clear()
 
     @torch.inference_mode()
-    def expand(self, heads: nn.Module, rows: torch.Tensor, tokens: list[int], start: int, width: int,
+    def expand(self, heads: ExpandingHeads, rows: torch.Tensor, tokens: list[int], start: int, width: int,
                topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replay the drafting graph for (width, topk): the drafter and K levels become one replay.
 
@@ -230,7 +235,7 @@ class CudaGraphRunner(ForwardRunner):
             ints = io["ints"]
 
             def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                return draft_tree(self.model, self.heads, io["rows"], ints[:r_max], ints[r_max],  # type: ignore[arg-type]
+                return draft_tree(self.model, heads, io["rows"], ints[:r_max], ints[r_max],
                                   ints[r_max + 1:], width, topk, self.drafter_cache)
 
             graph, outs = self._record(body)

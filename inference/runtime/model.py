@@ -39,10 +39,6 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` to slots ``dst`` in every layer (accepted tree path -> contiguous slots)."""
         self.k.index_copy_(3, dst, self.k.index_select(3, src))
@@ -98,15 +94,37 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, offset: Offset, ancestors: torch.Tensor,
-                kv_valid: torch.Tensor | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (both rotated) and values, ``[B, heads, N, head_dim]``, for inputs ``[B, N, H]``."""
         c = self.config
         b, n, _ = x.shape
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(b, n, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, heads, N, head_dim]`` back to the residual stream ``[B, N, H]``."""
+        b, _, n, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(b, n, self.config.q_size))
+
+    def causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Whole sequences from slot 0, no cache: fused causal attention, differentiable (training).
+
+        The cached ``forward`` computes the same function for a causal ``ancestors``.
+        """
+        c = self.config
+        q, k, v = self.project(x, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
+        return self.merge(out)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, offset: Offset, ancestors: torch.Tensor,
+                kv_valid: torch.Tensor | None) -> torch.Tensor:
+        n = x.shape[1]
+        q, k, v = self.project(x, cos, sin)
         if isinstance(offset, int):
             k_cache[:, :, offset:offset + n] = k
             v_cache[:, :, offset:offset + n] = v
@@ -119,7 +137,7 @@ class Attention(nn.Module):
         else:
             out = masked_attention(q, *_live(k_cache, v_cache, offset, n),
                                    _padded_mask(offset, ancestors, kv_valid, n, k_cache.shape[2]))
-        return self.wo(out.transpose(1, 2).reshape(b, n, c.q_size))
+        return self.merge(out)
 
 
 def _live(k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,12 +168,21 @@ class Block(nn.Module):
         self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU feed-forward's contribution to the residual stream."""
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, offset: Offset, ancestors: torch.Tensor,
                 kv_valid: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, offset, ancestors, kv_valid)
-        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        return x + self.mlp(x)
+
+    def causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``forward`` over whole sequences from slot 0 with causal attention and no cache (training)."""
+        x = x + self.attn.causal(self.attn_norm(x), cos, sin)
+        return x + self.mlp(x)
 
 
 class Transformer(nn.Module):
@@ -165,6 +192,9 @@ class Transformer(nn.Module):
     positions they need (the last prompt token, the tree nodes) and lets Medusa heads read the same
     hidden state.
     """
+
+    rope_cos: torch.Tensor  # [max_positions, head_dim] float32 buffers (registered in __init__)
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

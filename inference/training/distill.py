@@ -18,15 +18,14 @@ Generation is batched: prompts of different lengths are left-padded into one ``[
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -201,30 +200,3 @@ def distill(model: Transformer, tokenizer: Any, prompts: Sequence[dict[str, str]
                 "model_sha256": model_sha256, "dtype": str(model.dtype).removeprefix("torch."),
                 "device": model.device.type, "created": created})
     return records
-
-
-# -- JSONL I/O (plain or gzipped) -----------------------------------------------------------------
-def _open(path: Path, mode: str) -> TextIO:
-    return gzip.open(path, mode + "t", encoding="utf-8") if path.suffix == ".gz" else open(path, mode, encoding="utf-8")
-
-
-def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _open(path, "w") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    return path
-
-
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"data file not found: {path}")
-    with _open(path, "r") as fh:
-        for n, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None

@@ -24,14 +24,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
-from elesium.inference.training.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
-from elesium.inference.training.distill import build_prompts, distill, generate_all, read_jsonl, write_jsonl
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
-from elesium.inference.drafters.storage import Scheme, round_trip
 from elesium.inference.drafters.files import build_heads, read_manifest, save_heads
-from elesium.inference.drafters.hydra import DraftHeads
+from elesium.inference.drafters.hydra import HeadsModule, HydraHeads
+from elesium.inference.drafters.storage import Scheme, round_trip
+from elesium.inference.prompts import read_jsonl, read_prompts, write_jsonl
+from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.model import Transformer
+from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
+from elesium.inference.training.distill import build_prompts, distill, generate_all
+from elesium.inference.training.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
 
 Log = Callable[[str], None]
 
@@ -73,7 +75,7 @@ class TrainConfig:
     eval_max_tokens: int = 256
     save_dtype: str = "float16"
     storage: Scheme = "float"           # weight matrices on disk: float (save_dtype), int8, int4 or mixed
-    drafter: str = "none"               # "attention": also train feature_drafter.py's level-1 drafter (hydra only)
+    drafter: str = "none"               # "attention": also train attention_drafter.py's level-1 drafter (hydra only)
     drafter_steps: int = 3000
     drafter_batch: int = 32             # whole sequences per drafter step
     drafter_lr: float = 1e-3
@@ -141,7 +143,7 @@ def cache_hidden_states(model: Transformer, sequences: Sequence[tuple[Sequence[i
                        torch.cat([seqs[j] for j in perm]))
 
 
-def head_losses(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor, loss: str,
+def head_losses(heads: HeadsModule, model: Transformer, cache: HiddenCache, rows: torch.Tensor, loss: str,
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Per head: mean loss, top-1 hits and top-5 hits over the valid rows (hits are 0/1 per row, valid only).
 
@@ -172,7 +174,7 @@ def head_losses(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows:
 
 
 @torch.no_grad()
-def evaluate(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: torch.Tensor | None = None,
+def evaluate(heads: HeadsModule, model: Transformer, cache: HiddenCache, rows: torch.Tensor | None = None,
              loss: str = "ce", chunk: int = 4096) -> list[dict[str, float]]:
     """Per-head loss / top-1 / top-5 over ``rows`` (default: all), in chunks."""
     rows = torch.arange(len(cache), device=cache.hidden.device) if rows is None else rows
@@ -189,7 +191,7 @@ def evaluate(heads: DraftHeads, model: Transformer, cache: HiddenCache, rows: to
              "top5": s[2] / max(s[3], 1), "positions": s[3]} for k, s in enumerate(sums)]
 
 
-def score_prompts(model: Transformer, tokenizer: Any, heads: DraftHeads, prompts: Sequence[str],
+def score_prompts(model: Transformer, tokenizer: Any, heads: HeadsModule, prompts: Sequence[str],
                   max_tokens: int = 256, batch_size: int = 16) -> dict[str, Any]:
     """Each head's top-1/top-5 against the base model's own greedy continuation of ``prompts``."""
     ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -199,26 +201,13 @@ def score_prompts(model: Transformer, tokenizer: Any, heads: DraftHeads, prompts
     rows = [{"head": h["head"], "top1": round(h["top1"], 4), "top5": round(h["top5"], 4),
              "positions": h["positions"]} for h in per_head]
     result: dict[str, Any] = {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
-    drafter = getattr(heads, "drafter", None)
+    drafter = heads.drafter
     if drafter is not None:  # the engine drafts level 1 with the drafter: that is head 1's score
         d = score_drafter(drafter, model, list(zip(ids, answers)), batch_size=batch_size)
         result["mlp_head1"] = rows[0]
         rows[0] = {"head": 1, "top1": round(d["top1"], 4), "top5": round(d["top5"], 4),
                    "positions": d["positions"], "source": "drafter"}
     return result
-
-
-def read_eval_prompts(path: str | Path) -> list[str]:
-    """Prompts from JSONL with a ``prompt`` field, or MT-Bench style ``turns`` (first turn)."""
-    prompts = []
-    for n, rec in enumerate(read_jsonl(path), 1):
-        text = rec.get("prompt") or (rec.get("turns") or [None])[0]
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path}: line {n} has neither a 'prompt' string nor a non-empty 'turns' list")
-        prompts.append(text)
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -345,7 +334,7 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
     train_s = time.monotonic() - t0
 
     # -- final evaluation, of the weights exactly as shipped (save_dtype, storage), and the artefact --
-    save_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.save_dtype]
+    save_dtype = DTYPES[cfg.save_dtype]
     heads = heads.to(save_dtype).eval()
     if cfg.storage != "float":
         heads.load_state_dict(round_trip(heads.state_dict(), cfg.storage, save_dtype))
@@ -358,13 +347,14 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         drafter = drafter.to(save_dtype).eval().requires_grad_(False)
         if cfg.storage != "float":
             drafter.load_state_dict(round_trip(drafter.state_dict(), cfg.storage, save_dtype))
+        assert isinstance(heads, HydraHeads)  # train() checked: the drafter pairs with hydra heads
         heads.drafter = drafter
         eval_block["held_out_drafter"] = {"as_stored": score_drafter(drafter, model, val_pairs),
                                           "before_storage": unquantised}
         log("held-out head 1 (drafter): " + "  ".join(
             f"{k} {v['top1']:.3f}/{v['top5']:.3f}" for k, v in eval_block["held_out_drafter"].items()))
     if cfg.eval_prompts is not None:
-        result = score_prompts(model, tokenizer, heads, read_eval_prompts(cfg.eval_prompts), cfg.eval_max_tokens,
+        result = score_prompts(model, tokenizer, heads, read_prompts(cfg.eval_prompts), cfg.eval_max_tokens,
                                batch_size=max(1, min(cfg.gen_batch, 80)))
         eval_block["prompts"] = {"file": Path(cfg.eval_prompts).name, "max_tokens": cfg.eval_max_tokens, **result}
         log(f"{Path(cfg.eval_prompts).name}: " + "  ".join(

@@ -7,7 +7,6 @@ every figure is a median of per-prompt values; the speedup is the median of per-
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,31 +16,8 @@ from typing import Any
 import torch
 
 from elesium.inference.engine import Engine
-from elesium.inference.records import DecodeMode, Generation
+from elesium.inference.records import DecodeMode, Generation, normalize_mode
 from elesium.inference.sampling import SamplingParams
-
-
-def read_prompts(path: Path, limit: int | None = None) -> list[str]:
-    """JSONL with a ``prompt`` field, or MT-Bench's ``turns`` (the first turn is used)."""
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    prompts: list[str] = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            prompts.append(row["prompt"])
-        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-            prompts.append(str(row["turns"][0]))
-        else:
-            raise ValueError(f"{path}:{n}: expected a 'prompt' string or a 'turns' list")
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts[:limit] if limit else prompts
 
 
 def _ms_per_token(g: Generation) -> float:
@@ -63,10 +39,18 @@ def acceptance_by_depth(generations: Sequence[Generation]) -> list[float]:
     return [h / s if s else 0.0 for h, s in zip(hits, seen)]
 
 
-def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mode: DecodeMode = "medusa",
+def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mode: DecodeMode = "speculative",
               progress: Callable[[int, dict[str, Any]], None] | None = None,
               vanilla_only: bool = False) -> dict[str, Any]:
-    """Run both modes on every prompt; return the ``bench.json`` document."""
+    """Run both modes on every prompt; return the ``bench.json`` document.
+
+    The speculative mode's figures sit under keys named after it: ``doc[mode]``, and per prompt
+    ``{mode}_tokens`` / ``{mode}_ms_per_token``, with ``mode`` "speculative" or "typical". bench.json
+    files written before the mode's rename say "medusa" there (BENCHMARKS.md lists the fields).
+    """
+    mode = normalize_mode(mode)
+    if mode == "vanilla":
+        raise ValueError("run_bench compares a speculative mode against vanilla; use vanilla_only=True to time vanilla")
     # Warm-up: CUDA graphs, allocator, kernel selection stay out of the numbers.
     warm = SamplingParams(max_tokens=8, temperature=params.temperature, seed=0)
     engine.generate(prompts[0], warm, mode="vanilla")

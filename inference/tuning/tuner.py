@@ -17,13 +17,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from elesium.inference.engine import Engine
-from elesium.inference.tuning.profile import TuneProfile, best_static_tree, device_kind
-from elesium.inference.sampling import SamplingParams
 from elesium.inference.decoding.tree import Tree
 from elesium.inference.decoding.tree_policy import TreePolicy
-
-COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+from elesium.inference.engine import Engine
+from elesium.inference.runtime.forward import TREE_BUCKETS
+from elesium.inference.sampling import SamplingParams
+from elesium.inference.tuning.profile import TuneProfile, best_static_tree, device_kind
 
 
 def _sync(engine: Engine) -> None:
@@ -40,13 +39,12 @@ def random_tree(size: int, rng: random.Random) -> Tree:
 
 
 @torch.inference_mode()
-def forward_cost_curve(engine: Engine, prefix_len: int = 500, sizes: Sequence[int] = COST_SIZES,
+def forward_cost_curve(engine: Engine, prefix_len: int = 500, sizes: Sequence[int] = TREE_BUCKETS,
                        repeats: int = 7) -> dict[int, float]:
     """Median ms of one verification forward of N tree nodes over a ``prefix_len`` cache."""
     rng = random.Random(0)
     vocab = engine.model.config.vocab_size
     engine.runner.prefill([rng.randrange(vocab) for _ in range(prefix_len)])
-    dev = engine.model.device
     out: dict[int, float] = {}
     for n in sizes:
         if prefix_len + n > engine.cache.max_len:
@@ -89,7 +87,7 @@ def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96
         ahead = rows[:, None] + torch.arange(heads.num_heads, device=model.device)
         # Hydra heads read the true path so far (x_{t+1} ...), as they do when that path was drafted.
         out = heads.teacher_forced(model, hidden[rows], target[ahead + 1])  # [heads, rows, H]
-        drafter = getattr(heads, "drafter", None)
+        drafter = heads.drafter
         if drafter is not None:  # level 1 is drafted by the attention drafter: score that
             feats = drafter.sequence(model, hidden[None, :-1], target[None, 1:])[0]  # row t reads (h_t, x_{t+1})
             out = torch.cat([feats[rows][None], out[1:]])
@@ -114,13 +112,13 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 6, ab_toke
     profile = TuneProfile(device_kind=device_kind(engine.model.device),
                           dtype=str(engine.model.dtype).removeprefix("torch."),
                           model_sha256=engine.weights_info.sha256 if engine.weights_info else "",
-                          heads_sha256=getattr(engine.heads, "source_sha256", ""),
+                          heads_sha256=engine.heads.source_sha256,
                           cost_sizes=sizes, cost_ms=costs, step_overhead_ms=0.0, acceptance=acceptance,
                           created=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     # Per-step overhead (heads, tree building, verification, compaction) from a real generation.
     probe = TreePolicy(kind="static", static_paths=((0,),), cost=profile.cost_curve())
     engine.policy = probe
-    gen = engine.generate(prompts[0], SamplingParams(max_tokens=32), mode="medusa")
+    gen = engine.generate(prompts[0], SamplingParams(max_tokens=32), mode="speculative")
     profile.step_overhead_ms = max(0.0, statistics.median(1000 * s.elapsed_s for s in gen.steps)
                                    - profile.cost_curve()(2))
     paths, expected = best_static_tree(acceptance, profile.cost_curve(), max_nodes=max(sizes))
@@ -138,7 +136,7 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 6, ab_toke
             if kind != "vanilla":
                 profile.kind, profile.max_nodes = kind, cap or profile.max_nodes
                 engine.policy = profile.policy()
-            mode = "vanilla" if kind == "vanilla" else "medusa"
+            mode = "vanilla" if kind == "vanilla" else "speculative"
             gen = engine.generate(prompt, SamplingParams(max_tokens=ab_tokens), mode=mode)
             rates[(kind, cap)].append(gen.tokens_per_s)
     medians = {arm: statistics.median(v) for arm, v in rates.items()}
