@@ -1,4 +1,7 @@
-"""Medusa tree speculative decoding: propose a tree, verify it in one forward, keep the best path.
+"""Tree speculative decoding: propose a tree, verify it in one forward, keep the best path.
+
+``TreeDecoder`` runs every kind of draft head: Medusa heads, Hydra heads, and Hydra heads with the
+attention drafter (``drafters/protocol.py`` is what it may call on them).
 
 One step, starting from the pending token t0 (chosen but not yet in the cache) and the hidden state
 h of the last cached position:
@@ -6,7 +9,7 @@ h of the last cached position:
 1. The heads read h and propose top-k tokens for positions +2, +3, ... past the cache: Medusa heads
    one list per depth (computed inside the previous step), Hydra heads a list per drafted path,
    expanded level by level from h and t0 (``HydraHeads.expand``). A Hydra drafter
-   (``feature_drafter.py``) first reads the positions the last step accepted and proposes level 1.
+   (``attention_drafter.py``) first reads the positions the last step accepted and proposes level 1.
 2. The policy picks a tree of rank paths; node 0 is t0, every other node holds its path's draft.
 3. One forward writes every node into the cache at slots ``offset + node`` with position
    ``offset + depth``, each attending to the prefix and its own ancestors.
@@ -23,26 +26,30 @@ import time
 import torch
 
 from elesium.inference.decoding.drafts import DraftSet, ExpandedDrafts, FactoredDrafts
-from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_topk
-from elesium.inference.records import DecodeMode, StepRecord
-from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.decoding.tree import Tree
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.verify import Verdict, verify_greedy, verify_sampled, verify_typical
+from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, expands
+from elesium.inference.records import DecodeMode, StepRecord, normalize_mode
+from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_topk
+from elesium.inference.sampling import Sampler, SamplingParams
 
 
-class MedusaDecoder:
-    def __init__(self, runner: ForwardRunner, heads: torch.nn.Module, params: SamplingParams, sampler: Sampler,
-                 policy: TreePolicy, mode: DecodeMode = "medusa") -> None:
-        if mode not in ("medusa", "typical"):
-            raise ValueError(f"MedusaDecoder runs 'medusa' or 'typical', not {mode!r}")
+class TreeDecoder:
+    """Holds one generation's decode state between tree steps (``engine.Decoder``'s speculative kind)."""
+
+    def __init__(self, runner: ForwardRunner, heads: DraftHeads, params: SamplingParams, sampler: Sampler,
+                 policy: TreePolicy, mode: DecodeMode | str = "speculative") -> None:
+        mode = normalize_mode(mode)
+        if mode == "vanilla":
+            raise ValueError("TreeDecoder runs 'speculative' or 'typical'; vanilla is VanillaDecoder's")
         self.runner = runner
         self.model = runner.model
         self.heads = heads
         self.params = params
         self.sampler = sampler
         self.policy = policy
-        self.mode = mode
+        self.mode: DecodeMode = mode
         self.offset = 0
         self.pending = -1
         self.hidden: torch.Tensor | None = None
@@ -58,7 +65,7 @@ class MedusaDecoder:
         self.offset = len(prompt_ids)
         self.hidden = hidden[-1]
         self.pending = self.sampler.pick(self.model.logits(self.hidden), self.params)
-        if getattr(self.heads, "conditioned", False):
+        if expands(self.heads):
             # Every prompt position but the last goes into the drafter now; the last pairs with the
             # pending token and opens the first step's drafting.
             self.runner.prefill_drafter(self.heads, hidden[:-1], prompt_ids[1:])
@@ -72,19 +79,20 @@ class MedusaDecoder:
         paths win across depths (the tree's shape), never the order among siblings.
         """
         k, temperature = self.policy.draft_topk(), self.policy.draft_temperature
-        if getattr(self.heads, "conditioned", False):
-            return self._expand(k, temperature)
+        if expands(self.heads):
+            return self._expand(self.heads, k, temperature)
         if self.drafts is None:  # not fused into the last step: run the heads on the kept node
             tokens, logprobs = draft_topk(self.model, self.heads, self.hidden, k)
             self.drafts = (tokens.cpu(), logprobs.float().cpu())
         tokens, logprobs = self.drafts
         return FactoredDrafts(tokens[:, :k].tolist(), (logprobs[:, :k] / temperature).tolist())
 
-    def _expand(self, k: int, temperature: float) -> ExpandedDrafts:
+    def _expand(self, heads: ExpandingHeads, k: int, temperature: float) -> ExpandedDrafts:
         """Hydra: one drafting pass from (h, t0), after the drafter (if any) reads the last step's
         accepted positions; read back in one copy per output."""
         width = self.policy.expand_width
-        tokens, logprobs, parents = self.runner.expand(self.heads, self.rows, self.row_tokens, self.row_start,
+        assert self.rows is not None, "prefill() first"
+        tokens, logprobs, parents = self.runner.expand(heads, self.rows, self.row_tokens, self.row_start,
                                                        width, k)
         return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(), width,
                                              temperature)
@@ -109,7 +117,7 @@ class MedusaDecoder:
             self.runner.cache.move(src, dst)
         committed = [node_tokens[n] for n in path[1:]] + [verdict.bonus]
         last = path[-1]
-        if getattr(self.heads, "conditioned", False):
+        if expands(self.heads):
             # Accepted node i is followed by committed[i]: its child on the path, or the bonus.
             self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))  # a copy: buffers are reused
             self.row_tokens, self.row_start = committed, self.offset
