@@ -422,8 +422,13 @@ def read_checkpoint(graph: Any, thread_id: str, checkpoint_id: str) -> tuple[Any
     if tup is None:
         return None, None, None
     meta = tup.metadata or {}
-    writes = meta.get("writes") or {}
-    node = next(iter(writes), None) if isinstance(writes, dict) else None
+    # The nodes that wrote this checkpoint are the tasks pending at its parent.
+    node = None
+    if tup.parent_config:
+        try:
+            node = ",".join(graph.get_state(tup.parent_config).next) or None
+        except Exception:  # noqa: BLE001 - the node name is a label in the report, not a check
+            node = None
     values = {k: v for k, v in tup.checkpoint.get("channel_values", {}).items() if not k.startswith("branch:")}
     return jsonable(values), meta.get("step"), node
 
