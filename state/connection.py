@@ -22,7 +22,6 @@ Without a URL, :func:`default_url` starts (or re-attaches to) the embedded Valke
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -214,4 +213,5 @@ def default_url(settings: Settings | None = None) -> str:
         return settings.redis_url
     from elesium.state.embedded import shared_server
 
-    return shared_server(settings.data_dir, appendfsync=os.environ.get("ELESIUM_APPENDFSYNC")).url
+    return shared_server(settings.data_dir, appendfsync=settings.appendfsync,
+                         binary=settings.valkey_server).url

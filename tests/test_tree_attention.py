@@ -15,6 +15,7 @@ import sys
 _TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib
 import importlib.util
 import zlib
 from types import ModuleType
@@ -27,6 +28,9 @@ from elesium.kernels.tree_attention import (
     tree_attention_mask,
     tree_attention_reference,
 )
+
+# The module (the package re-exports its function under the same name).
+tree_attention_module = importlib.import_module("elesium.kernels.tree_attention")
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -184,14 +188,15 @@ def test_dispatcher_override(monkeypatch: pytest.MonkeyPatch) -> None:
     v = torch.randn(1, 1, 30, 64, generator=gen)
     anc = make_tree("random", 6, gen)
     ref = tree_attention_reference(q, k, v, 20, anc)
-    monkeypatch.setenv("ELESIUM_TREE_ATTENTION", "reference")
+    # The choice is process-wide state (Settings.tree_attention, set at Engine.load): restore it.
+    monkeypatch.setattr(tree_attention_module, "_backend_choice", None)
+    tree_attention_module.set_backend("reference")
     assert torch.equal(tree_attention(q, k, v, 20, anc), ref)
-    monkeypatch.delenv("ELESIUM_TREE_ATTENTION")
+    tree_attention_module.set_backend("auto")
     assert torch.equal(tree_attention(q, k, v, 20, anc), ref)  # CPU tensors: reference
-    monkeypatch.setenv("ELESIUM_TREE_ATTENTION", "triton")  # interpreter runs it on the CPU
+    tree_attention_module.set_backend("triton")  # interpreter runs it on the CPU
     assert rel_err(tree_attention(q, k, v, torch.tensor(20), anc), ref.double()) < 1e-5
     bits = _kernel().pack_ancestor_bits(anc)
     assert rel_err(tree_attention(q, k, v, 20, anc, ancestor_bits=bits), ref.double()) < 1e-5
-    monkeypatch.setenv("ELESIUM_TREE_ATTENTION", "bogus")
     with pytest.raises(ValueError):
-        tree_attention(q, k, v, 20, anc)
+        tree_attention_module.set_backend("bogus")
