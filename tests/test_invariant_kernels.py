@@ -1,0 +1,156 @@
+"""Shape-invariant kernels (matmul, RMSNorm, tree attention) on the CPU through Triton's interpreter.
+
+Two properties each: the kernel computes the reference function on fresh random inputs, and a row's
+result is bit-for-bit the same whatever else is in the call (rows of an M-row product equal the
+1-row products; a tree node's attention equals the 1-token decode of the same logical sequence).
+The interpreter has no bf16, so fp32 and fp16 stand in; bf16 is checked on the GPU (tests/test_gpu.py).
+TRITON_INTERPRET must be set before Triton is imported, hence the top of the file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from elesium.kernels.tree_attention import tree_attention_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _interpreted() -> None:
+    if _TRITON_IMPORTED_TOO_EARLY:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k", "bias"), [(1, 96, 80, False), (70, 130, 100, True), (5, 64, 64, True)])
+def test_matmul_matches_reference(dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
+    from elesium.kernels.invariant_matmul import invariant_linear, linear_reference
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = invariant_linear(x, w, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, linear_reference(x.double(), w.double(), None if b is None else b.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matmul_rows_do_not_depend_on_m(dtype: torch.dtype) -> None:
+    """A row's result does not depend on M: rows of a 70-row product (two tiles) equal the same rows
+    computed in smaller products, bitwise.
+
+    The interpreter's dot is numpy's BLAS, whose result for a row depends on the row's position in
+    the tile (SIMD lanes), so here every comparison keeps that position: the 1-row products are
+    compared at tile offsets 0, growing products at their last row. On the GPU each MMA output
+    element is computed the same way wherever it sits, and tests/test_gpu.py checks M=1 against
+    M=N for every row."""
+    from elesium.kernels.invariant_matmul import invariant_linear
+
+    g = torch.Generator().manual_seed(7)
+    m, n, k = 70, 72, 96
+    x = torch.randn(2, m // 2, k, generator=g).to(dtype)  # leading dims are flattened
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    full = invariant_linear(x, w, b).reshape(m, n)
+    rows = x.reshape(m, k)
+    for i in (0, 64):
+        assert torch.equal(invariant_linear(rows[i:i + 1], w, b)[0], full[i]), f"row {i}"
+    for i in (1, 33, 63, 69):
+        assert torch.equal(invariant_linear(rows[:i + 1], w, b)[i], full[i]), f"row {i}"
+    assert torch.equal(invariant_linear(rows[64:69], w, b), full[64:69])
+
+
+def test_matmul_rejects_what_it_cannot_do() -> None:
+    from elesium.kernels.invariant_matmul import invariant_linear
+
+    with pytest.raises(ValueError, match="unsupported"):
+        invariant_linear(torch.randn(2, 8), torch.randn(4, 9))
+    w = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="unsupported"):
+        invariant_linear(torch.randn(2, 8), w)  # autograd needs F.linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_matches_reference_and_is_row_invariant(dtype: torch.dtype) -> None:
+    from elesium.kernels.invariant_norm import invariant_rms_norm, rms_norm_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 37, 96, generator=g).to(dtype) * 3
+    w = torch.randn(96, generator=g).to(dtype)
+    out = invariant_rms_norm(x, w, 1e-5)
+    assert out.shape == x.shape
+    assert rel_err(out, rms_norm_reference(x.double(), w.double(), 1e-5)) < TOL[dtype]
+    for i in (0, 20, 36):
+        assert torch.equal(invariant_rms_norm(x[:, i:i + 1], w, 1e-5)[0, 0], out[0, i])
+
+
+def random_tree(n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor]:
+    """A random topologically ordered tree (parent index < child index) and its ancestor relation."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return parents, anc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("prefix", "n", "hq", "hkv", "d"), [(0, 5, 3, 1, 64), (130, 17, 9, 3, 64), (61, 9, 4, 2, 128)])
+def test_attention_matches_reference(dtype: torch.dtype, prefix: int, n: int, hq: int, hkv: int, d: int) -> None:
+    from elesium.kernels.invariant_attention import invariant_tree_attention
+
+    g = torch.Generator().manual_seed(prefix + n)
+    _, anc = random_tree(n, g)
+    cap = prefix + n + 40
+    q = torch.randn(1, hq, n, d, generator=g).to(dtype)
+    k = torch.randn(1, hkv, cap, d, generator=g).to(dtype)
+    v = torch.randn(1, hkv, cap, d, generator=g).to(dtype)
+    ref = tree_attention_reference(q.double(), k.double(), v.double(), prefix, anc)
+    for splits in (1, 3):
+        out = invariant_tree_attention(q, k, v, prefix, anc, num_splits=splits)
+        assert rel_err(out, ref) < TOL[dtype], splits
+    out = invariant_tree_attention(q, k, v, torch.tensor(prefix), anc, num_splits=2)  # prefix in a tensor
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_node_equals_its_one_token_decode(dtype: torch.dtype) -> None:
+    """Each node of an N-node tree gets, bitwise, what decoding it alone after its path would give:
+    a cache holding the prefix, then the node's ancestors root-first in contiguous slots, N = 1."""
+    from elesium.kernels.invariant_attention import invariant_tree_attention
+
+    g = torch.Generator().manual_seed(11)
+    prefix, n, hq, hkv, d, cap = 121, 24, 6, 2, 64, 320
+    parents, anc = random_tree(n, g)
+    q = torch.randn(1, hq, n, d, generator=g).to(dtype)
+    k = torch.randn(1, hkv, cap, d, generator=g).to(dtype)
+    v = torch.randn(1, hkv, cap, d, generator=g).to(dtype)
+    tree = invariant_tree_attention(q, k, v, prefix, anc, num_splits=2)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    for node in range(n):
+        path = torch.nonzero(anc[node]).flatten()  # root-first, ends with the node itself
+        kk, vv = k.clone(), v.clone()
+        kk[:, :, prefix:prefix + len(path)] = k[:, :, prefix + path]
+        vv[:, :, prefix:prefix + len(path)] = v[:, :, prefix + path]
+        alone = invariant_tree_attention(q[:, :, node:node + 1], kk, vv, prefix + len(path) - 1, one, num_splits=2)
+        assert torch.equal(alone[:, :, 0], tree[:, :, node]), f"node {node} (depth {len(path) - 1})"
