@@ -111,8 +111,13 @@ def tree_attention(
     scale: float | None = None,
     *,
     ancestor_bits: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA where it applies, the reference elsewhere.
+
+    ``invariant`` (shape-invariant numerics, ``inference/runtime/invariant.py``) takes the kernel
+    whose per-node result is bitwise the 1-token decode's, on CUDA for trees of <= 128 nodes;
+    larger N (prefill chunks, which every decoding mode runs alike) take the ordinary path.
 
     The Triton module is imported lazily so that CPU-only installs never need Triton. Forcing
     ``triton`` on an unsupported input raises instead of silently falling back.
@@ -121,6 +126,11 @@ def tree_attention(
     The reference path ignores it and uses ``ancestors``.
     """
     choice = backend()
+    if invariant and choice != "reference" and q.is_cuda and k_cache.is_cuda:
+        from elesium.kernels import invariant_attention
+
+        if invariant_attention.supports(q, k_cache, v_cache):
+            return invariant_attention.invariant_tree_attention(q, k_cache, v_cache, prefix_len, ancestors, scale)
     if choice == "reference":
         return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
     if choice == "triton" or _triton_supports(q, k_cache, v_cache):
