@@ -88,6 +88,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    invariant = False  # shape-invariant tree attention on CUDA (set by runtime/invariant.py)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -133,7 +135,7 @@ class Attention(nn.Module):
             k_cache.index_copy_(2, slots, k)
             v_cache.index_copy_(2, slots, v)
         if kv_valid is None:
-            out = tree_attention(q, k_cache, v_cache, offset, ancestors)
+            out = tree_attention(q, k_cache, v_cache, offset, ancestors, invariant=self.invariant)
         else:
             out = masked_attention(q, *_live(k_cache, v_cache, offset, n),
                                    _padded_mask(offset, ancestors, kv_valid, n, k_cache.shape[2]))
