@@ -16,7 +16,9 @@ from typing import Any, TextIO
 
 
 def _open(path: Path, mode: str) -> TextIO:
-    return gzip.open(path, mode + "t", encoding="utf-8") if path.suffix == ".gz" else open(path, mode, encoding="utf-8")
+    if path.suffix == ".gz":
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 DecodeMode = Literal["vanilla", "speculative", "typical"]
 """How a generation decodes: one token per forward, exact tree verification, or relaxed (typical)."""
 
-_MODE_NAMES: dict[str, DecodeMode] = {"vanilla": "vanilla", "speculative": "speculative", "typical": "typical",
+_MODE_NAMES: dict[str, DecodeMode] = {"vanilla": "vanilla", "speculative": "speculative",
+                                      "typical": "typical",
                                       "medusa": "speculative"}
 """Canonical modes plus legacy aliases: "medusa" named the exact tree mode before it also ran Hydra
 heads and the attention drafter; old CLI flags, bench files and stored records still say it."""

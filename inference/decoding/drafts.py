@@ -97,7 +97,8 @@ class ExpandedDrafts:
         while start < len(tokens):
             if start > 0:
                 prev = level_paths
-                level_paths = [prev[f // k] + (f % k,) for f in parents[start:start + min(width, len(prev) * k)]]
+                rows = parents[start:start + min(width, len(prev) * k)]
+                level_paths = [prev[f // k] + (f % k,) for f in rows]
             for i, path in enumerate(level_paths):
                 children[path] = (list(tokens[start + i]), [x / temperature for x in scores[start + i]])
             start += len(level_paths)

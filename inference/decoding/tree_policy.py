@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from elesium.inference.records import StepRecord
 from elesium.inference.decoding.drafts import DraftSet, RankPath
 from elesium.inference.decoding.tree import Tree, ranked_paths, restricted
+from elesium.inference.records import StepRecord
 
 TreeKind = Literal["static", "dynamic"]
 

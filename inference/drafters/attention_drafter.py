@@ -17,7 +17,8 @@ level 1. Rejected branches never enter it, so it needs no tree mask.
 
 Two paths compute the same function, both through the base model's own ``Block``: ``forward``
 (cached, any offset, CUDA-graph friendly) and ``sequence`` (``Block.causal``: whole sequences at once
-with fused causal attention, for training and scoring). ``tests/test_feature_drafter.py`` holds them to each other.
+with fused causal attention, for training and scoring). ``tests/test_feature_drafter.py`` holds them to each
+other.
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ class FeatureDrafter(nn.Module):
         e = model.embed(next_tokens)
         return self.fc(torch.cat([hidden.to(self.dtype), e.to(self.dtype)], dim=-1))
 
-    def forward(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+    def forward(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor,
+                positions: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset,
                 ancestors: torch.Tensor) -> torch.Tensor:
         """Cached path: rows ``[B, N]`` go to slots ``offset...`` and attend to every slot before them
-        plus their ``ancestors`` (causal for the engine). Returns features ``[B, N, H]`` in ``hidden``'s dtype."""
+        plus their ``ancestors`` (causal for the engine). Returns features ``[B, N, H]`` in ``hidden``'s
+        dtype."""
         cos, sin = model.rope_cos[positions][None, None], model.rope_sin[positions][None, None]
         x = self.inputs(model, hidden, next_tokens)
         return self.layer(x, cos, sin, k_cache, v_cache, offset, ancestors, None).to(hidden.dtype)

@@ -2,7 +2,8 @@
 
 A heads directory holds ``manifest.json`` (format, base model, head config, storage), ``heads.safetensors``
 and, for Hydra heads with the attention drafter, ``drafter.safetensors``. The manifest's ``format`` is
-``elesium-draft-heads/1``; directories written before the rename say ``elesium-medusa-heads/1`` and still load.
+``elesium-draft-heads/1``; directories written before the rename say ``elesium-medusa-heads/1`` and still
+load.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def save_heads(heads: HeadsModule, directory: str | Path, manifest: dict[str, An
     """Write ``heads.safetensors`` and ``manifest.json`` to ``directory``.
 
     ``storage`` is ``float`` (the heads' current dtype), or ``int8`` / ``int4`` / ``mixed`` weight
-    matrices with the biases in the heads' dtype (``head_storage`` says why and how). ``manifest``
+    matrices with the biases in the heads' dtype (``storage.py`` says why and how). ``manifest``
     must carry ``base_model.sha256``; the head config, storage and format tag are filled in here so
     they can never disagree with the weights.
     """
@@ -74,12 +75,13 @@ def read_manifest(path: str | Path | None = None) -> dict[str, Any]:
     directory = _heads_dir(path)
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.exists():
-        raise FileNotFoundError(f"no {MANIFEST_FILE} in {directory}; expected a directory written by save_heads "
-                                "(`elesium train-heads --out DIR`)")
+        raise FileNotFoundError(f"no {MANIFEST_FILE} in {directory}; expected a directory written by "
+                                "save_heads (`elesium train-heads --out DIR`)")
     manifest = json.loads(manifest_path.read_text())
     fmt = manifest.get("format", MANIFEST_FORMAT)
     if fmt not in READABLE_FORMATS:
-        raise ValueError(f"{manifest_path}: unknown heads format {fmt!r}; this version reads {', '.join(READABLE_FORMATS)}")
+        raise ValueError(f"{manifest_path}: unknown heads format {fmt!r}; this version reads "
+                         f"{', '.join(READABLE_FORMATS)}")
     return manifest
 
 
@@ -104,7 +106,8 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     drafter_cfg = manifest["heads"].get("drafter")
     if drafter_cfg is not None and manifest["heads"].get("kind") != "hydra":
-        raise ValueError(f"{directory}: the manifest names a drafter, which is only supported with hydra heads")
+        raise ValueError(f"{directory}: the manifest names a drafter, which is only supported with "
+                         "hydra heads")
     heads = build_heads(manifest["heads"])
     heads.load_state_dict(read_state(weights))
     digest = hashlib.sha256(weights.read_bytes())
@@ -113,7 +116,8 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
 
         drafter_file = directory / drafter_cfg.get("file", DRAFTER_FILE)
         if not drafter_file.exists():
-            raise FileNotFoundError(f"the manifest in {directory} names a drafter, but {drafter_file.name} is missing")
+            raise FileNotFoundError(f"the manifest in {directory} names a drafter, but "
+                                    f"{drafter_file.name} is missing")
         drafter = FeatureDrafter.from_config(drafter_cfg)
         drafter.load_state_dict(read_state(drafter_file))
         heads.drafter = drafter
@@ -143,5 +147,6 @@ def _heads_dir(path: str | Path | None) -> Path:
     if p.is_file():  # heads.safetensors or manifest.json given directly
         return p.parent
     if not p.exists():
-        raise FileNotFoundError(f"heads not found: {p} (expected a directory with {WEIGHTS_FILE} and {MANIFEST_FILE})")
+        raise FileNotFoundError(f"heads not found: {p} (expected a directory with {WEIGHTS_FILE} and "
+                                f"{MANIFEST_FILE})")
     return p

@@ -62,7 +62,8 @@ class HydraHeads(nn.Module):
     """
 
     # The ``drafters.protocol.ExpandingHeads`` members that are not modules or methods.
-    conditioned: Literal[True] = True  # drafts depend on the path: the engine drafts per step, after verification
+    # Drafts depend on the path: the engine drafts per step, after verification.
+    conditioned: Literal[True] = True
     source_sha256: str = ""  # set by load_heads to the files' sha256 (drafter's file included)
 
     def __init__(self, hidden_size: int, num_heads: int = 4, num_layers: int = 1,
@@ -78,7 +79,8 @@ class HydraHeads(nn.Module):
         self.conditioning: Conditioning = conditioning
         widths = [(k + 2 if conditioning == "concat" else 2) * hidden_size for k in range(num_heads)]
         self.heads = nn.ModuleList(
-            nn.Sequential(ConditionedBlock(w, hidden_size), *[ResBlock(hidden_size) for _ in range(num_layers - 1)])
+            nn.Sequential(ConditionedBlock(w, hidden_size),
+                          *[ResBlock(hidden_size) for _ in range(num_layers - 1)])
             for w in widths)
         # Optional attention drafter for level 1 (``attention_drafter.py``); stored in its own file.
         self.drafter: FeatureDrafter | None = None
@@ -87,13 +89,15 @@ class HydraHeads(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.heads[0][0].linear.weight.dtype
 
-    def advance(self, k: int, state: torch.Tensor, embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def advance(self, k: int, state: torch.Tensor,
+                embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Head ``k`` (0-based) on ``state`` plus the previous token's embedding: (output, next state)."""
         z = torch.cat([state, embedding.to(state.dtype)], dim=-1)
         out = self.heads[k](z)
         return out, (z if self.conditioning == "concat" else out)
 
-    def teacher_forced(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def teacher_forced(self, model: Transformer, hidden: torch.Tensor,
+                       next_tokens: torch.Tensor) -> torch.Tensor:
         """Every head's output ``[K, ..., H]`` (in ``hidden``'s dtype) along the given path.
 
         ``next_tokens[..., j]`` is ``x_{t+1+j}``; head k reads ``x_{t+1} ... x_{t+1+k}`` and guesses
@@ -109,7 +113,8 @@ class HydraHeads(nn.Module):
         return torch.stack(outs).to(hidden.dtype)
 
     def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int,
-               topk: int, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               topk: int, first: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a candidate tree level by level, keeping the ``width`` best paths at each level.
 
         Static shapes and no host syncs, so a CUDA graph can capture it. ``hidden`` is ``h_t`` ``[H]``,
@@ -150,4 +155,5 @@ class HydraHeads(nn.Module):
 
 
 HeadsModule = MedusaHeads | HydraHeads
-"""Either concrete kind, as built, trained and saved (``drafters.protocol.DraftHeads`` is what decoding sees)."""
+"""Either concrete kind, as built, trained and saved (``drafters.protocol.DraftHeads`` is what decoding
+sees)."""

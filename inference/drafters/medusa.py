@@ -95,7 +95,8 @@ class MedusaHeads(nn.Module):
         """float32 logits ``[num_heads, ..., V]`` through the base model's shared ``lm_head``."""
         return model.logits(self(hidden))
 
-    def teacher_forced(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def teacher_forced(self, model: Transformer, hidden: torch.Tensor,
+                       next_tokens: torch.Tensor) -> torch.Tensor:
         """Same signature as ``HydraHeads.teacher_forced``; Medusa heads ignore the tokens."""
         return self(hidden)
 

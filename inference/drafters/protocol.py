@@ -42,7 +42,8 @@ class _HeadsBase(Protocol):
         """The manifest's ``heads`` block: enough to rebuild heads of this shape."""
         ...
 
-    def teacher_forced(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def teacher_forced(self, model: Transformer, hidden: torch.Tensor,
+                       next_tokens: torch.Tensor) -> torch.Tensor:
         """Every head's output ``[K, ..., H]`` along a known path (training, scoring, calibration)."""
         ...
 
@@ -64,7 +65,8 @@ class ExpandingHeads(_HeadsBase, Protocol):
 
     def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int, topk: int,
                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A candidate tree as (tokens, logprobs, parents) over levels; ``HydraHeads.expand`` has the layout."""
+        """A candidate tree as (tokens, logprobs, parents) over levels; ``HydraHeads.expand`` has the
+        layout."""
         ...
 
 

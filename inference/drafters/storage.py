@@ -61,7 +61,8 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> tuple[torch
     if group is None:
         group = next((g for g in (INT4_GROUP, 16, 8) if cols % g == 0), INT4_GROUP)
     if cols % group or group % 2:
-        raise ValueError(f"int4 needs the input size ({cols}) to be a multiple of the (even) group size {group}")
+        raise ValueError(f"int4 needs the input size ({cols}) to be a multiple of the (even) group size "
+                         f"{group}")
     g = w.view(rows, cols // group, group)
     scale = (g.abs().amax(dim=2, keepdim=True) / 7).half()
     q = (torch.round(_divide(g, scale)).clamp_(-7, 7) + 8).to(torch.uint8).view(rows, cols)
@@ -105,7 +106,8 @@ def encode_state(state: dict[str, torch.Tensor], scheme: Scheme,
     return tensors, {_METADATA_KEY: json.dumps(layout, sort_keys=True)} if layout else {}
 
 
-def decode_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> dict[str, torch.Tensor]:
+def decode_state(tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str] | None) -> dict[str, torch.Tensor]:
     """Invert :func:`encode_state`: a plain float state dict (quantised weights come back as fp32)."""
     layout: dict[str, str] = json.loads((metadata or {}).get(_METADATA_KEY, "{}"))
     state = {name: value for name, value in tensors.items()

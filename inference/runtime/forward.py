@@ -42,16 +42,19 @@ class StepOutputs:
     draft_logprobs: torch.Tensor | None = None
 
 
-def draft_topk(model: Transformer, heads: FactoredHeads, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_topk(model: Transformer, heads: FactoredHeads, hidden: torch.Tensor,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Heads' top-k tokens and log-probabilities, ``[..., heads, k]``, for hidden states ``[..., H]``."""
     logits = model.logits(heads(hidden)).movedim(0, -2)  # [..., heads, V]
     top = torch.topk(logits, k, dim=-1)
     return top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
-def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, tokens: torch.Tensor, start: int | torch.Tensor,
+def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, tokens: torch.Tensor,
+               start: int | torch.Tensor,
                last: torch.Tensor, width: int, topk: int,
-               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
 
     ``rows`` ``[R, H]`` are the hidden states of the positions written since the drafter last ran
@@ -177,7 +180,8 @@ class ForwardRunner:
                                  with_drafts=drafts and self.fuses_drafts)
 
     def _device_inputs(self, tokens: list[int], positions: list[int],
-                       ancestors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                       ancestors: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         dev = self.device
         return (torch.tensor([tokens], device=dev), torch.tensor(positions, device=dev),
                 None if ancestors is None else ancestors.to(dev))
@@ -196,7 +200,8 @@ class CudaGraphRunner(ForwardRunner):
         super().__init__(model, cache, heads)
         self.buckets = tuple(sorted(set(buckets)))
         # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
+        self._graphs: dict[tuple[int, bool],
+                           tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
         self._expanders: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor],
                                                      tuple[torch.Tensor, ...]]] = {}
         self._pool = None
@@ -290,10 +295,12 @@ class CudaGraphRunner(ForwardRunner):
         drafts = drafts and self.fuses_drafts
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None or offset + bucket > self.cache.max_len:
-            return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset, with_drafts=drafts)
+            return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
+                                     with_drafts=drafts)
         key = (bucket, drafts)
         captured = self._graphs.get(key)
-        staging = captured[1]["staging"] if captured else torch.zeros(2 * bucket + 1 + bucket * bucket, dtype=torch.long)
+        staging = (captured[1]["staging"] if captured
+                   else torch.zeros(2 * bucket + 1 + bucket * bucket, dtype=torch.long))
         # Safe to overwrite: the previous step's results were read back (a sync) before this call.
         staging[:n] = torch.tensor(tokens)
         staging[bucket:bucket + n] = torch.tensor(positions)

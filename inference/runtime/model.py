@@ -119,7 +119,8 @@ class Attention(nn.Module):
         """
         c = self.config
         q, k, v = self.project(x, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=c.num_heads != c.num_kv_heads)
         return self.merge(out)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -142,13 +143,15 @@ class Attention(nn.Module):
         return self.merge(out)
 
 
-def _live(k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _live(k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset,
+          n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(offset, int):
         return k_cache[:, :, :offset + n], v_cache[:, :, :offset + n]
     return k_cache, v_cache
 
 
-def _padded_mask(offset: Offset, ancestors: torch.Tensor, kv_valid: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
+def _padded_mask(offset: Offset, ancestors: torch.Tensor, kv_valid: torch.Tensor, n: int,
+                 capacity: int) -> torch.Tensor:
     """Tree mask restricted to valid (non-padding) slots, ``[B, 1, N, S]``.
 
     Every token also sees its own slot, so padding rows stay finite instead of softmaxing over
@@ -279,7 +282,8 @@ class Transformer(nn.Module):
                 own[f"layers.{i}.attn.wqkv.bias"] = torch.cat(
                     [state[a + "q_proj.bias"], state[a + "k_proj.bias"], state[a + "v_proj.bias"]])
             own[f"layers.{i}.attn.wo.weight"] = state[a + "o_proj.weight"]
-            own[f"layers.{i}.w13.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.w13.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"],
+                                                       state[p + "mlp.up_proj.weight"]])
             own[f"layers.{i}.w2.weight"] = state[p + "mlp.down_proj.weight"]
             own[f"layers.{i}.attn_norm.weight"] = state[p + "input_layernorm.weight"]
             own[f"layers.{i}.mlp_norm.weight"] = state[p + "post_attention_layernorm.weight"]

@@ -16,7 +16,8 @@ from torch import nn
 def save_checkpoint(path: Path, name: str, module: nn.Module, opt: torch.optim.Optimizer, step: int,
                     history: list[dict[str, Any]], **extra: Any) -> None:
     """Write ``{name: weights, "optimizer", "step", "history", **extra}`` to ``path``."""
-    torch.save({name: module.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history, **extra},
+    torch.save({name: module.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                **extra},
                path)
 
 

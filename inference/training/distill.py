@@ -33,14 +33,16 @@ from elesium.inference.runtime.model import Transformer
 
 SLOT = re.compile(r"\{(\w+)\}")
 # Slots filled with fresh random values rather than picked from a list.
-_INT_SLOTS = {"a": (12, 480), "b": (3, 95), "c": (50, 900), "num": (2, 60), "mm": (10, 59), "amount": (120, 98000)}
+_INT_SLOTS = {"a": (12, 480), "b": (3, 95), "c": (50, 900), "num": (2, 60), "mm": (10, 59),
+              "amount": (120, 98000)}
 
 
 def templates_path() -> Path:
     return Path(str(resources.files("elesium") / "data" / "distill_templates.jsonl"))
 
 
-def load_templates(path: str | Path | None = None) -> tuple[dict[str, list[str]], dict[str, dict], dict[str, list[str]]]:
+def load_templates(path: str | Path | None = None,
+                   ) -> tuple[dict[str, list[str]], dict[str, dict], dict[str, list[str]]]:
     """(global slots, domain -> slots, task -> templates) from the templates JSONL."""
     global_slots: dict[str, list[str]] = {}
     domains: dict[str, dict] = {}
@@ -129,7 +131,8 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], max_new
         tokens[b, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
     cache = model.new_cache(width + max_new_tokens, batch=bsz)
     slots = torch.arange(cache.max_len, device=dev)
-    kv_valid = slots[None, :] >= pad[:, None]  # future slots are marked valid now; unwritten ones are never live
+    # future slots are marked valid now; unwritten ones are never live
+    kv_valid = slots[None, :] >= pad[:, None]
     positions = (torch.arange(width, device=dev)[None, :] - pad[:, None]).clamp(min=0)
     eos = torch.tensor(sorted(set(eos_ids)), device=dev)
 
@@ -184,7 +187,8 @@ def generate_all(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
 def distill(model: Transformer, tokenizer: Any, prompts: Sequence[dict[str, str]], *, model_sha256: str,
             max_new_tokens: int = 256, temperatures: Sequence[float] = (0.0, 0.7), seed: int = 0,
             batch_size: int = 64, progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
-    """The base model's answers to every prompt at every temperature, as JSONL-ready records with provenance."""
+    """The base model's answers to every prompt at every temperature, as JSONL-ready records with
+    provenance."""
     ids = [tokenizer.encode_chat([{"role": "user", "content": p["prompt"]}]) for p in prompts]
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     eos = sorted(tokenizer.eos_ids)
@@ -194,7 +198,8 @@ def distill(model: Transformer, tokenizer: Any, prompts: Sequence[dict[str, str]
                             batch_size=batch_size, progress=progress)
         for p, pid, out in zip(prompts, ids, outs):
             records.append({
-                **p, "prompt_ids": pid, "response_ids": out, "response": tokenizer.decode(out, skip_special_tokens=True),
+                **p, "prompt_ids": pid, "response_ids": out,
+                "response": tokenizer.decode(out, skip_special_tokens=True),
                 "finish": "eos" if out and out[-1] in tokenizer.eos_ids else "length",
                 "sampling": {"temperature": temp, "max_new_tokens": max_new_tokens, "seed": seed + j},
                 "model_sha256": model_sha256, "dtype": str(model.dtype).removeprefix("torch."),

@@ -1,4 +1,5 @@
-"""Train and score the attention drafter (``feature_drafter.py``) on whole self-distilled sequences.
+"""Train and score the attention drafter (``drafters/attention_drafter.py``) on whole self-distilled
+sequences.
 
 Unlike the heads, which train on cached per-position hidden states, the drafter attends over every
 earlier position, so each step runs the frozen base model over a batch of whole sequences and
@@ -22,9 +23,9 @@ from typing import Any
 
 import torch
 
-from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.runtime.model import Transformer
+from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
 
 Log = Callable[[str], None]
 
@@ -85,14 +86,16 @@ def drafter_loss(drafter: FeatureDrafter, model: Transformer, tokens: torch.Tens
 
 @torch.no_grad()
 def score_drafter(drafter: FeatureDrafter, model: Transformer,
-                  pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 32) -> dict[str, float]:
+                  pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                  batch_size: int = 32) -> dict[str, float]:
     """Top-1 / top-5 for x_{t+2} at the answer rows, the positions head 1 is scored on.
 
     Rows t = P-1 .. L-3 of each (prompt P, answer) pair: x_{t+1} is an answer token and x_{t+2}
     exists. That is exactly the set ``head_training.evaluate`` scores head 1 on.
     """
     dev = model.device
-    order = sorted((i for i, (_, a) in enumerate(pairs) if len(a) >= 2), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    order = sorted((i for i, (_, a) in enumerate(pairs) if len(a) >= 2),
+                   key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
     hits1 = hits5 = count = 0
     for lo in range(0, len(order), batch_size):
         idx = order[lo:lo + batch_size]

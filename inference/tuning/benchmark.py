@@ -39,7 +39,8 @@ def acceptance_by_depth(generations: Sequence[Generation]) -> list[float]:
     return [h / s if s else 0.0 for h, s in zip(hits, seen)]
 
 
-def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mode: DecodeMode = "speculative",
+def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams,
+              mode: DecodeMode = "speculative",
               progress: Callable[[int, dict[str, Any]], None] | None = None,
               vanilla_only: bool = False) -> dict[str, Any]:
     """Run both modes on every prompt; return the ``bench.json`` document.
@@ -50,7 +51,8 @@ def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mo
     """
     mode = normalize_mode(mode)
     if mode == "vanilla":
-        raise ValueError("run_bench compares a speculative mode against vanilla; use vanilla_only=True to time vanilla")
+        raise ValueError("run_bench compares a speculative mode against vanilla; use vanilla_only=True to "
+                         "time vanilla")
     # Warm-up: CUDA graphs, allocator, kernel selection stay out of the numbers.
     warm = SamplingParams(max_tokens=8, temperature=params.temperature, seed=0)
     engine.generate(prompts[0], warm, mode="vanilla")
@@ -71,7 +73,8 @@ def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mo
             out[m] = engine.generate(prompt, p, mode=m)
         v = out["vanilla"]
         vanilla.append(v)
-        row: dict[str, Any] = {"prompt": i, "vanilla_tokens": v.new_tokens, "vanilla_ms_per_token": _ms_per_token(v)}
+        row: dict[str, Any] = {"prompt": i, "vanilla_tokens": v.new_tokens,
+                               "vanilla_ms_per_token": _ms_per_token(v)}
         if not vanilla_only:
             s = out[mode]
             spec.append(s)
@@ -87,7 +90,8 @@ def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mo
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                   else f"cpu ({torch.get_num_threads()} threads)"),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "cuda_graphs": type(engine.runner).__name__ == "CudaGraphRunner",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -99,7 +103,8 @@ def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams, mo
             "mean_accepted": statistics.median(g.mean_accepted for g in spec),
             "mean_accepted_pooled": sum(s.accepted_length for g in spec for s in g.steps)
             / max(1, sum(len(g.steps) for g in spec)),
-            "mean_tree_size": sum(s.tree_size for g in spec for s in g.steps) / max(1, sum(len(g.steps) for g in spec)),
+            "mean_tree_size": sum(s.tree_size for g in spec for s in g.steps)
+            / max(1, sum(len(g.steps) for g in spec)),
             "accept_rate_by_depth": acceptance_by_depth(spec),
         }
         doc["mode"] = mode

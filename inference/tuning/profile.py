@@ -93,7 +93,8 @@ def find_profile(cache_dir: Path, model_sha256: str, device: torch.device, dtype
     return None
 
 
-def best_static_tree(acceptance: list[list[float]], cost: CostCurve, max_nodes: int = 128) -> tuple[list[list[int]], float]:
+def best_static_tree(acceptance: list[list[float]], cost: CostCurve,
+                     max_nodes: int = 128) -> tuple[list[list[int]], float]:
     """Sequoia's objective over Medusa trees: maximise expected tokens per unit time.
 
     Expected committed tokens of a tree = 1 (the bonus token) + the sum, over its nodes, of the

@@ -67,7 +67,8 @@ def forward_cost_curve(engine: Engine, prefix_len: int = 500, sizes: Sequence[in
 
 
 @torch.inference_mode()
-def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96, topk: int = 10) -> list[list[float]]:
+def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96,
+                    topk: int = 10) -> list[list[float]]:
     """acceptance[d][r]: how often head d+1's rank-r token equals the base model's greedy token."""
     heads, model = engine.heads, engine.model
     assert heads is not None
@@ -89,7 +90,8 @@ def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96
         out = heads.teacher_forced(model, hidden[rows], target[ahead + 1])  # [heads, rows, H]
         drafter = heads.drafter
         if drafter is not None:  # level 1 is drafted by the attention drafter: score that
-            feats = drafter.sequence(model, hidden[None, :-1], target[None, 1:])[0]  # row t reads (h_t, x_{t+1})
+            # row t reads (h_t, x_{t+1})
+            feats = drafter.sequence(model, hidden[None, :-1], target[None, 1:])[0]
             out = torch.cat([feats[rows][None], out[1:]])
         top = torch.topk(model.logits(out), topk, dim=-1).indices  # [heads, rows, topk]
         truth = target[ahead + 2].T  # [heads, rows]
@@ -145,6 +147,7 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 6, ab_toke
     profile.speculate = medians[best] > medians[("vanilla", 0)]
     engine.policy = profile.policy()
     log("  tokens/s " + ", ".join(f"{k}{'<=' + str(c) if c else ''} {medians[(k, c)]:.1f}" for k, c in arms)
-        + f": using {profile.kind}" + (f" (<= {profile.max_nodes} nodes)" if profile.kind == "dynamic" else "")
+        + f": using {profile.kind}" + (f" (<= {profile.max_nodes} nodes)" if profile.kind == "dynamic"
+                                       else "")
         + ("" if profile.speculate else "; vanilla by default"))
     return profile
