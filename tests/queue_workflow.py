@@ -4,7 +4,8 @@ Four nodes, two of them LLM calls on the real engine (seeded sampling, a few tok
 run is a handful of checkpoints and a dozen acceptance entries. The LLM nodes write each decode
 step to the acceptance log as it happens (not at the end of the call), so a worker killed mid-call
 leaves partial entries: the recovery path under test (``begin_call`` deletes them before the call is
-re-run). ``step_delay_s`` in the input slows each step down so that a kill lands mid-call.
+re-run). ``ELESIUM_TEST_STEP_DELAY`` (seconds, in the worker's environment) slows each step down so that a
+kill lands mid-call without changing anything the run records.
 
 Used in-process by the tests and by worker subprocesses:
 ``elesium worker --executor queue_workflow:make_executor`` with ``tests/`` on PYTHONPATH.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 from typing import Any, TypedDict
 
@@ -22,6 +24,7 @@ from langgraph.graph import END, START, StateGraph
 
 from elesium.inference.sampling import SamplingParams
 from elesium.state.acceptance_log import AcceptanceEntry, Retention
+from elesium.state.fenced import FencedSaver
 from elesium.state.graph_executor import GraphExecutor
 from elesium.state.queue import Lease, RunQueue
 
@@ -32,7 +35,6 @@ MAX_TOKENS = 8
 class State(TypedDict, total=False):
     topic: str
     seed: int
-    step_delay_s: float
     prompt: str
     draft: str
     draft_ids: list[int]
@@ -47,20 +49,20 @@ def call_seed(run_seed: int, node: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{run_seed}:{node}".encode()).digest()[:7], "big")
 
 
-def run_input(i: int, *, step_delay_s: float = 0.0) -> dict[str, Any]:
-    return {"topic": TOPICS[i % len(TOPICS)], "seed": 1000 + i, "step_delay_s": step_delay_s}
+def run_input(i: int) -> dict[str, Any]:
+    return {"topic": TOPICS[i % len(TOPICS)], "seed": 1000 + i}
 
 
 def _llm(name: str, prompt_of: Any, out: str, engine: Any) -> Any:
     def node(state: State, config: RunnableConfig) -> dict[str, Any]:
         lease: Lease = config["configurable"]["lease"]
         run_id = config["configurable"]["run_id"]
-        log = lease.acceptance_log(retention=Retention(maxlen=None))
+        log = lease.acceptance_log(prefix=config["configurable"]["acc_prefix"], retention=Retention(maxlen=None))
         log.begin_call(run_id, name, 0)  # drop what a crashed attempt wrote for this call
         seed = call_seed(state["seed"], name)
         base = state.get("steps", 0)
         count = [0]
-        delay = float(state.get("step_delay_s", 0.0))
+        delay = float(os.environ.get("ELESIUM_TEST_STEP_DELAY", "0"))
 
         def on_step(record: Any) -> None:
             lease.check()
@@ -93,16 +95,42 @@ def build(saver: Any, engine: Any) -> Any:
     return g.compile(checkpointer=saver)
 
 
-def executor(engine: Any) -> GraphExecutor:
+class AckRecordingSaver(FencedSaver):
+    """Appends "thread checkpoint-id step" to a file after each acknowledged checkpoint write, so a
+    test can check that Redis still has every checkpoint it acknowledged after a crash."""
+
+    def __init__(self, *args: Any, ack_log: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ack_log = ack_log
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        out = super().put(config, checkpoint, metadata, new_versions)
+        with open(self.ack_log, "a") as f:
+            f.write(f"{config['configurable']['thread_id']} {checkpoint['id']} {metadata.get('step')}\n")
+        return out
+
+
+def executor(engine: Any, root: str) -> GraphExecutor:
+    """Checkpoints under ``<root>:cp``, acceptance streams under ``<root>:acc``."""
+    ack_log = os.environ.get("ELESIUM_TEST_ACK_LOG")
+
+    def make_graph(lease: Lease, saver: Any) -> Any:
+        if ack_log:
+            saver = AckRecordingSaver(lease.queue.client, fence_key=lease.keys.fence, token=lease.token,
+                                      prefix=f"{root}:cp", ack_log=ack_log)
+        return build(saver, engine)
+
     return GraphExecutor(
-        lambda lease, saver: build(saver, engine),
+        make_graph,
         config=lambda lease: {"configurable": {"thread_id": lease.thread_id, "run_id": lease.run_id,
-                                               "lease": lease}},
+                                               "lease": lease, "acc_prefix": f"{root}:acc"}},
+        saver_options={"prefix": f"{root}:cp"},
     )
 
 
 def make_executor(args: argparse.Namespace, queue: RunQueue) -> GraphExecutor:
-    """``elesium worker --executor queue_workflow:make_executor``: the real engine, CPU float32."""
+    """``elesium worker --executor queue_workflow:make_executor``: the real engine, CPU float32;
+    state under the queue's prefix."""
     from elesium.inference.engine import Engine
 
-    return executor(Engine.load(device="cpu", dtype="float32", max_len=2048))
+    return executor(Engine.load(device="cpu", dtype="float32", max_len=2048), queue.prefix)
