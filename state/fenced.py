@@ -99,7 +99,8 @@ class FencedSaver(RedisSaver):
         super().__init__(client, **options)
         self.fence_key = fence_key
         self.token = str(token)
-        self._fenced = {name: client.register_script(_FENCE_CHECK + K.SCRIPTS[name]) for name in _FENCED_SCRIPTS}
+        self._fenced = {name: client.register_script(_FENCE_CHECK + K.SCRIPTS[name])
+                        for name in _FENCED_SCRIPTS}
 
     def _execute(self, req: Request) -> Any:
         if isinstance(req, ScriptCall) and req.name in self._fenced:
@@ -143,7 +144,8 @@ class FencedAcceptanceLog(AcceptanceLog):
                     return script(keys=[self.key(run_id), self.fence_key], args=[*args, self.token])
                 current = self.client.get(self.fence_key)
                 if (current.decode() if isinstance(current, bytes) else current) != self.token:
-                    raise LeaseLostError(f"acceptance write refused: token {self.token} superseded by {current}")
+                    raise LeaseLostError(f"acceptance write refused: token {self.token} superseded "
+                                         f"by {current}")
                 return self._scripts_for[False][name](keys=[self.key(run_id)], args=args)
             except redis.exceptions.ResponseError as exc:
                 if _is_fenced(exc):

@@ -23,7 +23,8 @@ checkpoints, so a fenced checkpoint write is one slot-local script::
     R cancel:<run> string  set by cancel(); seen by the owning worker's heartbeat
 
 Lifecycle of a run: queued (in the stream, no job hash yet) -> running (claimed: a fresh token) ->
-succeeded | failed | cancelled | interrupted (finished by the token holder, then XACK + XDEL). A worker that dies
+succeeded | failed | cancelled | interrupted (finished by the token holder, then XACK + XDEL). A worker
+that dies
 leaves the entry pending; once its lease has expired and the entry has been idle for
 ``reclaim_idle_ms``, another worker's ``XAUTOCLAIM`` takes it, claims a higher token and resumes the
 run from its last checkpoint. The old worker, if it was only paused, fails its next fenced write
@@ -88,7 +89,8 @@ def _now_ms() -> int:
 
 def payload_hash(payload: Any) -> str:
     """sha256 of the canonical JSON of ``payload``: what makes two enqueues "the same request"."""
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def thread_tag(thread_id: str) -> str:
@@ -116,7 +118,9 @@ return {1, id}
 # timeout ms. Returns {'done', status} | {'busy', holder} | {'claimed', token, attempt, started_ms}.
 _CLAIM = r"""
 local st = redis.call('HGET', KEYS[3], 'status')
-if st == 'succeeded' or st == 'failed' or st == 'cancelled' or st == 'interrupted' then return {'done', st} end
+if st == 'succeeded' or st == 'failed' or st == 'cancelled' or st == 'interrupted' then
+  return {'done', st}
+end
 if redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('HSET', KEYS[3], 'run_id', ARGV[5], 'thread_id', ARGV[6], 'status', 'cancelled',
              'error', 'cancelled', 'updated_ms', ARGV[3])
@@ -126,7 +130,8 @@ local holder = redis.call('GET', KEYS[1])
 if holder then return {'busy', holder} end
 local attempts = tonumber(redis.call('HGET', KEYS[3], 'attempts') or '0')
 if attempts >= tonumber(ARGV[4]) then
-  redis.call('HSET', KEYS[3], 'run_id', ARGV[5], 'thread_id', ARGV[6], 'status', 'failed', 'updated_ms', ARGV[3],
+  redis.call('HSET', KEYS[3], 'run_id', ARGV[5], 'thread_id', ARGV[6], 'status', 'failed',
+             'updated_ms', ARGV[3],
              'error', 'gave up after ' .. attempts .. ' attempts (each worker died or lost its lease)')
   return {'done', 'failed'}
 end
@@ -159,7 +164,8 @@ return {held, redis.call('EXISTS', KEYS[3])}
 # KEYS: fence, lease, job. ARGV: token, "<worker>:<token>", status, error, now ms.
 _FINISH = r"""
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[3], 'status', ARGV[3], 'error', ARGV[4], 'updated_ms', ARGV[5], 'finished_ms', ARGV[5])
+redis.call('HSET', KEYS[3], 'status', ARGV[3], 'error', ARGV[4], 'updated_ms', ARGV[5],
+           'finished_ms', ARGV[5])
 if redis.call('GET', KEYS[2]) == ARGV[2] then redis.call('DEL', KEYS[2]) end
 return 1
 """
@@ -483,7 +489,8 @@ class RunQueue:
         job = {_text(k): _text(v) for k, v in raw.items()}
         return JobState(
             run_id=run_id, thread_id=thread, status=job.get("status", "queued"),
-            attempts=int(job.get("attempts", 0)), worker=job.get("worker", ""), token=int(job.get("token", 0)),
+            attempts=int(job.get("attempts", 0)), worker=job.get("worker", ""),
+            token=int(job.get("token", 0)),
             error=job.get("error", ""), cancel_requested=bool(cancelled),
         )
 
@@ -536,7 +543,8 @@ class RunQueue:
         """Entries no worker has seen yet (XREADGROUP ``>``), waiting up to ``block_ms``."""
         self.ensure_group()
         with self._guard():
-            reply = self.client.xreadgroup(GROUP, consumer, {self.stream_key: ">"}, count=count, block=block_ms)
+            reply = self.client.xreadgroup(GROUP, consumer, {self.stream_key: ">"}, count=count,
+                                           block=block_ms)
         rows: list[Any] = []
         if isinstance(reply, dict):  # RESP3
             for value in reply.values():
@@ -559,7 +567,8 @@ class RunQueue:
         "done:<status>" (already finished, or just cancelled/failed: acknowledge it) or "busy"
         (another live worker holds the thread)."""
         keys = self.run_keys(delivery.thread_id, delivery.run_id)
-        args = [worker_id, self.lease_ttl_ms, _now_ms(), self.max_attempts, delivery.run_id, delivery.thread_id,
+        args = [worker_id, self.lease_ttl_ms, _now_ms(), self.max_attempts, delivery.run_id,
+                delivery.thread_id,
                 delivery.timeout_ms]
         with self._guard():
             reply = self._claim(keys=[keys.lease, keys.fence, keys.job, keys.cancel], args=args)
@@ -570,7 +579,8 @@ class RunQueue:
             return "busy"
         return Lease(queue=self, run_id=delivery.run_id, thread_id=delivery.thread_id, token=int(reply[1]),
                      attempt=int(reply[2]), worker_id=worker_id, entry_id=delivery.entry_id,
-                     payload=delivery.payload, started_ms=int(_text(reply[3])), timeout_ms=delivery.timeout_ms,
+                     payload=delivery.payload, started_ms=int(_text(reply[3])),
+                     timeout_ms=delivery.timeout_ms,
                      keys=keys)
 
     def renew(self, lease: Lease) -> tuple[bool, bool]:

@@ -78,7 +78,8 @@ class QueueWorker:
     def start(self) -> QueueWorker:
         """Start the fetch loop and the heartbeat in background threads."""
         self.queue.ensure_group()
-        for target, name in ((self._fetch_loop, "elesium-fetch"), (self._heartbeat_loop, "elesium-heartbeat")):
+        loops = ((self._fetch_loop, "elesium-fetch"), (self._heartbeat_loop, "elesium-heartbeat"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -219,12 +220,13 @@ class QueueWorker:
                     continue
                 deadline = lease.deadline_ms
                 if deadline is not None and _now_ms() > deadline:
-                    lease.abort(RunTimeoutError, f"run exceeded its time limit of {lease.timeout_ms / 1000:g} s")
+                    limit = lease.timeout_ms / 1000
+                    lease.abort(RunTimeoutError, f"run exceeded its time limit of {limit:g} s")
                     continue
                 try:
                     held, cancelled = self.queue.renew(lease)
                     if not held:
-                        lease.abort(LeaseLostError, f"lease of run {lease.run_id!r} taken over by another worker")
+                        lease.abort(LeaseLostError, f"run {lease.run_id!r}: another worker took the lease")
                     elif cancelled:
                         lease.abort(RunCancelledError, f"run {lease.run_id!r} was cancelled")
                     else:

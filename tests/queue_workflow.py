@@ -57,7 +57,8 @@ def _llm(name: str, prompt_of: Any, out: str, engine: Any) -> Any:
     def node(state: State, config: RunnableConfig) -> dict[str, Any]:
         lease: Lease = config["configurable"]["lease"]
         run_id = config["configurable"]["run_id"]
-        log = lease.acceptance_log(prefix=config["configurable"]["acc_prefix"], retention=Retention(maxlen=None))
+        log = lease.acceptance_log(prefix=config["configurable"]["acc_prefix"],
+                                   retention=Retention(maxlen=None))
         log.begin_call(run_id, name, 0)  # drop what a crashed attempt wrote for this call
         seed = call_seed(state["seed"], name)
         base = state.get("steps", 0)
@@ -72,8 +73,8 @@ def _llm(name: str, prompt_of: Any, out: str, engine: Any) -> Any:
             if delay:
                 time.sleep(delay)
 
-        gen = engine.generate(prompt_of(state), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed),
-                              on_step=on_step)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed)
+        gen = engine.generate(prompt_of(state), params, on_step=on_step)
         return {out: gen.text, f"{out}_ids": list(gen.token_ids), "steps": base + count[0]}
 
     return node

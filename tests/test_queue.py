@@ -122,7 +122,8 @@ def test_a_superseded_worker_cannot_write(queue: RunQueue, key_prefix: str) -> N
     with pytest.raises(LeaseLostError):
         _graph(first.saver(prefix=cp)).invoke({"n": 1, "trail": []}, {"configurable": {"thread_id": "run-f"}})
     assert _history(queue.client, cp, "run-f") == []  # not even the input checkpoint got through
-    out = _graph(second.saver(prefix=cp)).invoke({"n": 1, "trail": []}, {"configurable": {"thread_id": "run-f"}})
+    config = {"configurable": {"thread_id": "run-f"}}
+    out = _graph(second.saver(prefix=cp)).invoke({"n": 1, "trail": []}, config)
     assert out["n"] == 22
     assert not queue.finish(first, "succeeded")  # the old owner cannot record an outcome either
     assert queue.finish(second, "succeeded")
@@ -134,7 +135,8 @@ def test_begin_call_keeps_one_attempt_per_call(queue: RunQueue, key_prefix: str)
     (delivery,) = queue.read_new("w1", 1, 100)
     one = queue.claim(delivery, "w1")
     log_prefix = f"{key_prefix}:acc"
-    rec = StepRecord(step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1, accepted_nodes=(0,),
+    rec = StepRecord(step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,
+                     accepted_nodes=(0,),
                      tokens=(5,))
     entry = AcceptanceEntry(run_id="run-a", node_id="llm", step_id=0, record=rec, call_index=0)
     log1 = one.acceptance_log(prefix=log_prefix)
@@ -270,7 +272,8 @@ def test_gives_up_after_max_attempts(redis_url: str, key_prefix: str) -> None:
 def test_delivery_payload_roundtrip(queue: RunQueue) -> None:
     queue.enqueue("run-p", {"input": {"text": "héllo {x}"}, "n": [1, 2]}, thread_id="thr:{odd}", timeout_s=3)
     (d,) = queue.read_new("w", 1, 100)
-    assert d == Delivery(d.entry_id, "run-p", "thr:{odd}", {"input": {"text": "héllo {x}"}, "n": [1, 2]}, 3000)
+    payload = {"input": {"text": "héllo {x}"}, "n": [1, 2]}
+    assert d == Delivery(d.entry_id, "run-p", "thr:{odd}", payload, 3000)
 
 
 def test_worker_cli_rejects_bad_flags() -> None:

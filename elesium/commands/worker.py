@@ -7,7 +7,7 @@ the rest back, so another worker resumes them from their last checkpoint at once
 
 ``--executor module:factory`` picks what a run executes: ``factory(args, queue)`` returns the C6
 callback ``execute(run_id, lease)``. The default runs the shipped workflows through
-:mod:`elesium.graphs` (see ``default_executor``).
+:mod:`elesium.graphs` (:mod:`elesium.background`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from elesium.commands.common import add_model_args
 
-DEFAULT_EXECUTOR = "elesium.state.workflow_executor:make_executor"
+DEFAULT_EXECUTOR = "elesium.background:make_executor"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--lease-ttl must be >= 0.5 seconds, got {args.lease_ttl}")
     if args.grace < 0:
         raise CliError(f"--grace must be >= 0 seconds, got {args.grace}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not logging.getLogger("elesium").handlers:  # the CLI may already route elesium's logs to stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     factory = _factory(args.executor)
     queue = RunQueue.from_url(args.redis_url, prefix=args.prefix, name=args.queue,
                               lease_ttl_ms=int(args.lease_ttl * 1000), max_attempts=args.max_attempts)
