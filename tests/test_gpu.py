@@ -1,0 +1,184 @@
+"""CUDA checks of the decoding engine (``pytest -m gpu tests/test_gpu.py`` on a machine with a GPU).
+
+What they assert, on the bundled model: CUDA-graph replay decodes the same tokens as eager launches;
+greedy speculative decoding emits exactly vanilla's tokens in bf16 and fp32 (shape-invariant
+numerics, ``inference/runtime/invariant.py``); every node of an N-node verify forward gets bit-for-bit
+the logits of decoding that node alone, one token at a time, after its path; the invariant kernels in
+bf16 (which Triton's CPU interpreter lacks); and sampled speculative decoding on the device keeps the
+base model's distribution (chi-square, as tests/test_exactness.py does on the CPU).
+
+Without CUDA every test here is skipped with the reason printed (``-ra``): the CPU CI machine has no
+GPU. Run this file alone: the interpreter tests (test_tree_attention, test_invariant_kernels) set
+TRITON_INTERPRET=1 for the whole session, which would run these kernels on the host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from elesium.inference.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="no CUDA device: GPU tests run on a CUDA machine"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="TRITON_INTERPRET=1 is set (by an interpreter test in this session): "
+                       "run tests/test_gpu.py on its own"),
+]
+
+PROMPTS = 6  # MT-Bench first turns per check
+TOKENS = 96
+
+
+def load(dtype: str, graphs: bool = True, invariant: str = "on"):
+    from elesium.config import Settings
+    from elesium.inference.engine import Engine
+
+    settings = Settings.from_env().with_overrides(invariant_numerics=invariant)
+    return Engine.load(device="cuda", dtype=dtype, cuda_graphs=graphs, settings=settings)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return load("bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_eager():
+    return load("bfloat16", graphs=False)
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return load("float32")
+
+
+def _diverge(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_graphs_equal_eager(bf16, bf16_eager, mt_bench_prompts) -> None:
+    params = SamplingParams(max_tokens=64)
+    for prompt in mt_bench_prompts[:3]:
+        for mode in ("vanilla", "speculative"):
+            a = bf16.generate(prompt, params, mode=mode).token_ids
+            b = bf16_eager.generate(prompt, params, mode=mode).token_ids
+            assert a == b, f"{mode}: graphs and eager diverge at token {_diverge(a, b)}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_speculative_greedy_equals_vanilla(dtype: str, bf16, fp32, mt_bench_prompts) -> None:
+    engine = bf16 if dtype == "bfloat16" else fp32
+    assert "speculative" in engine.modes, "the shipped heads did not load"
+    params = SamplingParams(max_tokens=TOKENS)
+    same, accepted = [], []
+    for prompt in mt_bench_prompts[:PROMPTS]:
+        vanilla = engine.generate(prompt, params, mode="vanilla")
+        spec = engine.generate(prompt, params, mode="speculative")
+        same.append(spec.token_ids == vanilla.token_ids or _diverge(spec.token_ids, vanilla.token_ids))
+        accepted.append(spec.mean_accepted)
+    print(f"{dtype}: speculative == vanilla on {sum(s is True for s in same)}/{len(same)} prompts "
+          f"(first divergence per prompt: {same}); mean accepted per step {accepted}")
+    assert all(s is True for s in same), f"speculative diverged from vanilla: {same}"
+    assert max(accepted) > 1.2, "speculation accepted almost nothing: the check would be vacuous"
+
+
+def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestors of a topologically ordered tree: a chain of 8 (deep paths), the rest random parents."""
+    parents = [i - 1 for i in range(min(n, 8))]
+    parents += [int(torch.randint(0, i, (1,), generator=gen)) for i in range(8, n)]
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return anc
+
+
+@pytest.mark.parametrize("n", [24, 64])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_verify_logits_equal_one_token_decodes(n: int, graphs: bool, bf16, bf16_eager,
+                                               mt_bench_prompts) -> None:
+    """Each node's logits in one N-node verify forward == decoding its path one token at a time, bitwise."""
+    engine = bf16 if graphs else bf16_eager
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(n)
+    ids = engine.encode_prompt(mt_bench_prompts[7])
+    prefix = len(ids)
+    anc = random_tree(n, gen)
+    tokens = torch.randint(0, engine.model.config.vocab_size, (n,), generator=gen).tolist()
+    depth = anc.sum(1) - 1
+    with torch.inference_mode():
+        runner.prefill(ids)
+        tree = runner.decode(tokens, (prefix + depth).tolist(), prefix, anc).logits.clone()
+        mismatched = []
+        for node in range(n):
+            path = torch.nonzero(anc[node]).flatten().tolist()
+            for k, t in enumerate(path):
+                out = runner.decode([tokens[t]], [prefix + k], prefix + k)
+            if not torch.equal(out.logits[0], tree[node]):
+                mismatched.append((node, len(path) - 1, float((out.logits[0] - tree[node]).abs().max())))
+    assert not mismatched, f"(node, depth, max |diff|) of nodes whose logits differ: {mismatched}"
+
+
+def test_invariant_kernels_bf16() -> None:
+    """The bf16 cases the CPU interpreter cannot run: accuracy, and M=1 == M=N for every row."""
+    from elesium.kernels.invariant_attention import invariant_tree_attention
+    from elesium.kernels.invariant_matmul import invariant_linear, linear_reference
+    from elesium.kernels.invariant_norm import invariant_rms_norm, rms_norm_reference
+    from elesium.kernels.tree_attention import tree_attention_reference
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(70, 576, device=dev, generator=g).to(bf)
+    w = (torch.randn(1536, 576, device=dev, generator=g) / 24).to(bf)
+    full = invariant_linear(x, w)
+    ref = linear_reference(x.double(), w.double())
+    assert float((full.double() - ref).norm() / ref.norm()) < 1e-2
+    assert all(torch.equal(invariant_linear(x[i:i + 1], w)[0], full[i]) for i in range(70))
+    normed = invariant_rms_norm(x, w[0], 1e-5)
+    nref = rms_norm_reference(x.double(), w[0].double(), 1e-5)
+    assert float((normed.double() - nref).norm() / nref.norm()) < 1e-2
+    assert all(torch.equal(invariant_rms_norm(x[i:i + 1], w[0], 1e-5)[0], normed[i]) for i in range(70))
+
+    prefix, n, cap = 1000, 40, 2048
+    anc = random_tree(n, torch.Generator().manual_seed(1)).to(dev)
+    q = torch.randn(1, 9, n, 64, device=dev, generator=g).to(bf)
+    k = torch.randn(1, 3, cap, 64, device=dev, generator=g).to(bf)
+    v = torch.randn(1, 3, cap, 64, device=dev, generator=g).to(bf)
+    out = invariant_tree_attention(q, k, v, torch.tensor(prefix, device=dev), anc)
+    aref = tree_attention_reference(q.double(), k.double(), v.double(), prefix, anc)
+    assert float((out.double() - aref).norm() / aref.norm()) < 1e-2
+    for node in range(n):
+        path = torch.nonzero(anc[node]).flatten()
+        kk, vv = k.clone(), v.clone()
+        kk[:, :, prefix:prefix + len(path)] = k[:, :, prefix + path]
+        vv[:, :, prefix:prefix + len(path)] = v[:, :, prefix + path]
+        alone = invariant_tree_attention(q[:, :, node:node + 1], kk, vv, prefix + len(path) - 1,
+                                         torch.ones(1, 1, dtype=torch.bool, device=dev))
+        assert torch.equal(alone[:, :, 0], out[:, :, node]), f"node {node}"
+
+
+def test_sampled_speculative_is_exact_on_device() -> None:
+    """Speculative sampling on CUDA fits the base model's exact joint of the next two tokens (chi-square)."""
+    from elesium.inference.decoding.tree_policy import TreePolicy
+    from elesium.inference.runtime.invariant import apply_invariant_numerics
+    from spec_harness import RandomHeads, chi_square_p, exact_joint, speculative_samples, tiny_model
+
+    samples = 4000
+    prefix, first = [1, 2, 3], 4
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    cpu_model = tiny_model(0)
+    expected = exact_joint(cpu_model, prefix, first, params, 2)
+    model = apply_invariant_numerics(tiny_model(0).cuda(), True)
+    heads = RandomHeads(32, 3, seed=1).cuda()
+    policy = TreePolicy(kind="dynamic", max_nodes=10, topk=4)
+    counts = speculative_samples(model, heads, policy, prefix, first, params, 2, samples, seed=3)
+    p = chi_square_p(counts, expected, samples)
+    print(f"device speculative sampling: chi-square p = {p:.3f} over {samples} samples")
+    assert p > 0.01, f"speculative samples on CUDA do not fit the base distribution (p = {p:.2e})"
