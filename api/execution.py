@@ -118,6 +118,22 @@ class Services:
 
         return engine_fingerprint(self.engine, mode)
 
+    def decode_mode(self, requested: Any) -> str:
+        """A decode mode this engine runs (legacy alias "medusa" accepted); 422 otherwise."""
+        from elesium.inference.records import normalize_mode
+
+        try:
+            mode = normalize_mode(str(requested))
+        except ValueError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
+        modes = tuple(self.engine.modes)
+        if mode not in modes and mode == "speculative" and "medusa" in modes:
+            return "medusa"
+        if mode not in modes:
+            raise HTTPException(status_code=422, detail=f"decode mode {requested!r} is not available on this engine "
+                                f"(available: {', '.join(modes)})")
+        return mode
+
     # ---------------------------------------------------------------- threads
     def thread_or_404(self, thread_id: str, who: Principal) -> ThreadRow:
         row = self.store.get_thread(thread_id, who.tenant)
@@ -184,12 +200,15 @@ class Services:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise HTTPException(status_code=422, detail="run seed must be an integer in [0, 2**63)")
         request["stream_mode"] = body.modes
+        mode = configurable.get("mode")
+        if mode is not None:
+            request["mode"] = self.decode_mode(mode)
         row = RunRow(run_id=str(uuid.uuid4()), thread_id=thread.thread_id, tenant=who.tenant,
                      assistant_id=assistant_id_of(wf), workflow=wf.name, workflow_version=wf.version,
                      metadata=body.metadata or {}, request=request,
                      seed=int(seed) if seed is not None else secrets.randbits(63),
                      approver=who.identity if "command" in request and "resume" in request["command"] else None,
-                     fingerprint=self.fingerprint())
+                     fingerprint=self.fingerprint(request.get("mode")))
         return wf, row
 
     def start_run(self, wf: Any, row: RunRow) -> RunChannel:
@@ -250,7 +269,7 @@ class Services:
             graph = self.graph(wf)
             config = rp.run_config(row.thread_id, row.run_id, row.seed, row.tenant, tap,
                                    checkpoint_id=row.request.get("checkpoint_id"), log=self.acceptance,
-                                   workflow=wf.name)
+                                   workflow=wf.name, mode=row.request.get("mode"))
             outcome = rp.drive(graph, rp.command_from(row.request), config, emit=emit, cancelled=channel.cancel,
                                stream_modes=graph_modes)
             status, error = outcome.status, outcome.error

@@ -293,12 +293,13 @@ def checkpoint_ids(graph: Any, thread_id: str) -> list[str]:
 
 
 def run_config(thread_id: str, run_id: str, seed: int, tenant: str, engine: Any,
-               checkpoint_id: str | None = None, log: Any = None, workflow: str = "") -> dict[str, Any]:
+               checkpoint_id: str | None = None, log: Any = None, workflow: str = "",
+               mode: str | None = None) -> dict[str, Any]:
     """The RunnableConfig of an API run or a replay (C4's keys and RunContext, with the tapped engine)."""
     from elesium.graphs.context import run_config as context_config
 
     config = context_config(engine, run_seed=seed, run_id=run_id, thread_id=thread_id, tenant=tenant, log=log,
-                            workflow=workflow, metadata={"run_id": run_id}, recursion_limit=50)
+                            workflow=workflow, mode=mode, metadata={"run_id": run_id}, recursion_limit=50)
     if checkpoint_id:
         config["configurable"]["checkpoint_id"] = checkpoint_id
     return config
@@ -507,7 +508,8 @@ def replay_thread(*, workflow: Any, recorded_version: str, engine: Any, saver: A
             tap = TappedEngine(engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled)
             fork = rec.request.get("checkpoint_id")
             config = run_config(scratch, rec.run_id, rec.seed, rec.tenant, tap,
-                                checkpoint_id=id_map.get(fork, fork) if fork else None, workflow=workflow.name)
+                                checkpoint_id=id_map.get(fork, fork) if fork else None, workflow=workflow.name,
+                                mode=rec.request.get("mode"))
             try:
                 outcome = drive(graph, command_from(rec.request), config, cancelled=cancelled)
             except DivergenceError as exc:
