@@ -115,6 +115,13 @@ class QueueWorker:
         self._stopped.set()
         return handed
 
+    def join(self, timeout_s: float) -> bool:
+        """After :meth:`stop`: wait for executor threads to return; False if some still run."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.in_flight()
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._futures)
@@ -153,8 +160,12 @@ class QueueWorker:
             return  # "busy": the owner is alive; it acknowledges the entry when it finishes
         lease = claimed
         with self._lock:
+            try:
+                future = self._pool.submit(self._run, lease)
+            except RuntimeError:  # stopping: the pool is shut down; hand the run straight back
+                self._release_quietly(lease)
+                return
             self._leases[lease.run_id] = lease
-            future = self._pool.submit(self._run, lease)
             self._futures.add(future)
         future.add_done_callback(lambda f: self._discard(f))
 

@@ -66,7 +66,6 @@ def _llm(name: str, prompt_of: Any, out: str, engine: Any) -> Any:
         delay = float(os.environ.get("ELESIUM_TEST_STEP_DELAY", "0"))
 
         def on_step(record: Any) -> None:
-            lease.check()
             log.append(AcceptanceEntry(run_id=run_id, node_id=name, step_id=base + count[0], record=record,
                                        call_index=0, call_seed=seed))
             count[0] += 1
@@ -74,7 +73,17 @@ def _llm(name: str, prompt_of: Any, out: str, engine: Any) -> Any:
                 time.sleep(delay)
 
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed)
-        gen = engine.generate(prompt_of(state), params, on_step=on_step)
+        stream = engine.stream(prompt_of(state), params, on_step=on_step)
+        # A cancel, a timeout or a lost lease closes the stream from the worker's heartbeat thread:
+        # the engine stops after its current step and is free at once.
+        unregister = lease.on_abort(stream.close)
+        try:
+            for _chunk in stream:
+                pass
+        finally:
+            unregister()
+        lease.check()  # a closed stream's partial output must never reach the checkpoint
+        gen = stream.result
         return {out: gen.text, f"{out}_ids": list(gen.token_ids), "steps": base + count[0]}
 
     return node

@@ -8,6 +8,8 @@
   runs; every checkpoint a worker saw acknowledged is still there, and every run finishes
   identically to the baseline.
 * Cluster: the worker-crash flow on a 3-master local cluster (smaller N).
+* Paused worker: SIGSTOP instead of SIGKILL; after SIGCONT its writes bounce off the fence. A cancel
+  reaches a run in another process.
 
 ``ELESIUM_CRASH_RUNS`` / ``ELESIUM_CRASH_TIMEOUT`` shrink or stretch the runs on a busy machine.
 """
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -163,6 +166,59 @@ def test_redis_killed_and_restarted(baseline: dict[str, dict[str, Any]], always_
     for thread, checkpoint_id, _step in acked:
         cfg = {"configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
         assert saver.get_tuple(cfg) is not None, f"acknowledged checkpoint {checkpoint_id} of {thread} lost"
+    for r in ids:
+        got = snapshot(queue.client, root, r)
+        assert got["steps"] == STEPS, (r, got["steps"])
+        assert got["history"] == baseline[r]["history"] and got["acceptance"] == baseline[r]["acceptance"], r
+
+
+def test_paused_worker_is_fenced_and_cancel_crosses_processes(
+        baseline: dict[str, dict[str, Any]], state_server: EmbeddedValkey, tmp_path: Path) -> None:
+    """SIGSTOP (not kill) a worker inside an LLM call: its run is reclaimed and finished elsewhere; on
+    SIGCONT the stale worker's writes are refused by the fence, so the run still equals the baseline.
+    Before that, a cancel issued here stops a run executing in a worker process."""
+    n = min(N_RUNS, 4)
+    url, root = state_server.url, f"pause-{uuid.uuid4().hex[:8]}"
+    queue = RunQueue.from_url(url, prefix=root)
+    queue.ensure_group()
+    slow = {"ELESIUM_TEST_STEP_DELAY": "0.1"}
+    a = spawn_worker(url, root, "A", tmp_path, env=slow)
+    b = spawn_worker(url, root, "B", tmp_path, env=slow)
+    try:
+        queue.enqueue("cancel-me", {"input": qw.run_input(n)})
+        deadline = time.monotonic() + TIMEOUT_S
+        while queue.status("cancel-me").status != "running":
+            assert time.monotonic() < deadline, a.log() + b.log()
+            time.sleep(0.05)
+        assert queue.cancel("cancel-me") == "cancelling"
+        cancelled = queue.wait("cancel-me", timeout_s=30)
+        assert cancelled.status == "cancelled"
+        saver = RedisSaver(queue.client, prefix=f"{root}:cp")
+        latest = saver.get_tuple({"configurable": {"thread_id": "cancel-me"}})
+        assert latest is None or latest.metadata["step"] < STEPS[-1]  # stopped before the end
+
+        ids = [queue.enqueue(run_id(i), {"input": qw.run_input(i)}).run_id for i in range(n)]
+        victim = None
+        while victim is None:
+            assert time.monotonic() < deadline, a.log()
+            victim = mid_call_run(queue, root, ids, "A")
+            time.sleep(0.02)
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            taken = queue.wait(victim[0], timeout_s=TIMEOUT_S)
+            assert taken.worker == "B" and taken.attempts >= 2
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        states = wait_all(queue, ids, TIMEOUT_S)
+        time.sleep(1.0)  # A's heartbeat runs at least once after waking
+        assert a.terminate() == 0 and b.terminate() == 0, a.log() + b.log()
+    finally:
+        for w in (a, b):
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+    assert "lease lost" in a.log(), a.log()
+    assert {s.status for s in states.values()} == {"succeeded"}
     for r in ids:
         got = snapshot(queue.client, root, r)
         assert got["steps"] == STEPS, (r, got["steps"])
