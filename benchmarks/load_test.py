@@ -89,9 +89,10 @@ async def one_run(client: httpx.AsyncClient, sem: asyncio.Semaphore, workflow: s
         t0 = time.perf_counter()
         try:
             resp = await client.post("/runs/wait", json=body)
-            ok = resp.status_code == 200
-            detail = "" if ok else resp.text[:300]
             status = resp.status_code
+            # /runs/wait answers 200 with an "__error__" object when the run itself failed.
+            ok = status == 200 and "__error__" not in (resp.json() or {})
+            detail = "" if ok else resp.text[:300]
         except httpx.HTTPError as exc:
             ok, detail, status = False, f"{type(exc).__name__}: {exc}", 0
         return {"i": i, "ok": ok, "status": status, "latency_s": time.perf_counter() - t0, "error": detail}
