@@ -91,9 +91,9 @@ async def one_run(client: httpx.AsyncClient, sem: asyncio.Semaphore, workflow: s
             resp = await client.post("/runs/wait", json=body)
             status = resp.status_code
             # /runs/wait answers 200 with an "__error__" object when the run itself failed.
-            ok = status == 200 and "__error__" not in (resp.json() or {})
+            ok = status == 200 and "__error__" not in resp.json()
             detail = "" if ok else resp.text[:300]
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, ValueError) as exc:
             ok, detail, status = False, f"{type(exc).__name__}: {exc}", 0
         return {"i": i, "ok": ok, "status": status, "latency_s": time.perf_counter() - t0, "error": detail}
 
