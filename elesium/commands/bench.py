@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.commands.common import add_model_args, load_engine, read_prompt_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="base seed (default: the prompt's index)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--mode", choices=["speculative", "medusa", "typical"], default="speculative",
-                   help="the speculative mode to time (medusa: the old name of speculative); names bench.json's keys")
+                   help="the mode to time against vanilla (medusa: the old name of speculative); "
+                   "names bench.json's keys")
     p.add_argument("--vanilla-only", action="store_true", help="time vanilla decoding alone")
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager launches on CUDA (for comparison)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -28,18 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.prompts import read_prompts
+    from elesium.cli import CliError
     from elesium.inference.records import normalize_mode
     from elesium.inference.sampling import SamplingParams
     from elesium.inference.tuning.benchmark import run_bench, write_plots
 
     mode = normalize_mode(args.mode)
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompt_file(args.prompts, args.limit)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     engine = load_engine(args, cuda_graphs=False if args.no_cuda_graphs else None)
     if not args.vanilla_only and mode not in engine.modes:
-        raise ValueError(f"mode {mode!r} needs Medusa heads for this model; use --vanilla-only")
+        raise CliError(f"mode {mode!r} needs draft heads, and none are loaded for this model; use --vanilla-only")
 
     def progress(i: int, row: dict) -> None:
         extra = f" speedup {row['speedup']:.2f}x tau {row['mean_accepted']:.2f}" if "speedup" in row else ""

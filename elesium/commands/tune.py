@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.commands.common import add_model_args, load_engine, read_prompt_file, settings_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,19 +20,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.config import Settings
-    from elesium.inference.prompts import read_prompts
     from elesium.inference.training.distill import build_prompts
     from elesium.inference.tuning.profile import profile_path
     from elesium.inference.tuning.tuner import tune
 
     if args.prompts is not None:
-        prompts = read_prompts(args.prompts)
+        prompts = read_prompt_file(args.prompts)
     else:  # a seed the training set never uses, so calibration prompts are fresh draws
         prompts = [p["prompt"] for p in build_prompts(args.calibration, seed=7_777_777)]
     engine = load_engine(args, max_len=2048)
     profile = tune(engine, prompts, log=lambda m: print(m, file=sys.stderr, flush=True))
-    settings = Settings.from_env()
+    settings = settings_from_args(args)  # --cache-dir, where the profile is looked up
     saved = profile.save(profile_path(settings.cache_dir, profile.model_sha256, engine.model.device, engine.model.dtype))
     print(f"profile saved to {saved}")
     if args.out is not None:

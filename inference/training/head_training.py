@@ -17,7 +17,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,62 +27,16 @@ import torch.nn.functional as F
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.files import build_heads, read_manifest, save_heads
 from elesium.inference.drafters.hydra import HeadsModule, HydraHeads
-from elesium.inference.drafters.storage import Scheme, round_trip
+from elesium.inference.drafters.storage import round_trip
 from elesium.inference.prompts import read_jsonl, read_prompts, write_jsonl
 from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.model import Transformer
 from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.training.distill import build_prompts, distill, generate_all
+from elesium.inference.training.train_config import TrainConfig
 from elesium.inference.training.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
 
 Log = Callable[[str], None]
-
-
-@dataclass
-class TrainConfig:
-    """Plain values, nanoGPT style; every field is a ``train-heads`` flag.
-
-    These defaults are a small, fast Medusa recipe for library use and tests; the CLI's defaults are
-    the shipped heads' recipe (``elesium/commands/train_heads.py``).
-    """
-
-    out: Path = Path("heads-out")
-    data: Path | None = None          # distillation JSONL; None: generate it (and save to out/)
-    prompts: int = 3000               # prompts to generate when data is None
-    distill_only: bool = False        # stop after writing out/distill.jsonl.gz
-    max_new_tokens: int = 256
-    temperatures: tuple[float, ...] = (0.0, 0.7)
-    gen_batch: int = 64
-    num_heads: int = 4
-    num_layers: int = 1
-    kind: str = "medusa"              # "medusa" or "hydra" (heads that also read the drafted tokens)
-    conditioning: str = "concat"      # hydra only: "concat" (Hydra's) or "chain" (recurrent)
-    loss: str = "kl"                  # "kl" (to the base distribution) or "ce" (to the sampled token)
-    decay: float = 0.8                # lambda: head k's loss weight is decay**k
-    steps: int = 2000
-    batch_size: int = 2048            # positions per step
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.0
-    eval_every: int = 250
-    ckpt_every: int = 500
-    val_fraction: float = 0.03
-    seed: int = 0
-    resume: bool = False
-    time_budget_s: float | None = None  # stop the loop early (and still save) past this many seconds
-    eval_prompts: Path | None = None    # e.g. MT-Bench; scored at the end with eval_max_tokens
-    eval_max_tokens: int = 256
-    save_dtype: str = "float16"
-    storage: Scheme = "float"           # weight matrices on disk: float (save_dtype), int8, int4 or mixed
-    # "attention": also train attention_drafter.py's level-1 drafter (hydra only)
-    drafter: str = "none"
-    drafter_steps: int = 3000
-    drafter_batch: int = 32             # whole sequences per drafter step
-    drafter_lr: float = 1e-3
-    drafter_intermediate: int | None = None  # the drafter layer's MLP width (None: the base model's)
-    command: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

