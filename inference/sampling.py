@@ -1,7 +1,9 @@
 """Turning logits into a token: the single definition of the target distribution.
 
 Vanilla sampling and speculative verification both call ``target_probs`` so that "exactly the base
-model's distribution" has one meaning: temperature, then top-k, then top-p (nucleus), in float32.
+model's distribution" has one meaning: the grammar mask (when the output is constrained, forbidden
+tokens' logits become -inf, so the rest renormalise), then temperature, then top-k, then top-p
+(nucleus), in float32. Greedy decoding is the argmax of the same masked logits.
 Random draws come from a seeded CPU ``torch.Generator`` as uniforms and tokens are picked by inverse
 CDF, so a run replays bit for bit from its seed whatever device did the arithmetic.
 """
@@ -45,9 +47,24 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[..., V]`` after temperature, top-k and top-p. Not for greedy."""
-    x = logits.float() / params.temperature
+def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Logits with the tokens ``allowed`` (bool, broadcastable) forbids set to -inf; unchanged if None."""
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+
+
+def greedy_token(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+    """The argmax token of a 1-D logit row, among the allowed ones."""
+    return int(masked(logits, allowed).argmax(-1).item())
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams,
+                 allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities ``[..., V]`` after the grammar mask, temperature, top-k and top-p. Not for greedy.
+
+    The mask comes first, so top-k and top-p choose among the allowed tokens: the constrained
+    target is the base distribution restricted to the grammar and renormalised.
+    """
+    x = masked(logits.float(), allowed) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -84,8 +101,8 @@ class Sampler:
     def uniform(self) -> float:
         return float(torch.rand((), generator=self._gen, dtype=torch.float64))
 
-    def pick(self, logits: torch.Tensor, params: SamplingParams) -> int:
-        """Greedy argmax, or a draw from the target distribution."""
+    def pick(self, logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None) -> int:
+        """Greedy argmax, or a draw from the target distribution (both within ``allowed``, if given)."""
         if params.greedy:
-            return int(logits.argmax(-1).item())
-        return sample_from(target_probs(logits, params), self.uniform())
+            return greedy_token(logits, allowed)
+        return sample_from(target_probs(logits, params, allowed), self.uniform())

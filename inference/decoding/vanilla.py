@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.records import StepRecord
+from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from elesium.inference.constraints import GrammarState
 
 
 class VanillaDecoder:
@@ -16,10 +20,14 @@ class VanillaDecoder:
 
     mode = "vanilla"
 
-    def __init__(self, runner: ForwardRunner, params: SamplingParams, sampler: Sampler) -> None:
+    def __init__(self, runner: ForwardRunner, params: SamplingParams, sampler: Sampler,
+                 grammar: GrammarState | None = None) -> None:
         self.runner = runner
         self.params = params
         self.sampler = sampler
+        # Constrained output: every token is picked from the logits masked to what the grammar
+        # allows next, and then advances the grammar.
+        self.grammar = grammar
         self.offset = 0
         self.pending = -1
         self.steps = 0
@@ -27,13 +35,23 @@ class VanillaDecoder:
     def prefill(self, prompt_ids: list[int]) -> int:
         hidden = self.runner.prefill(prompt_ids)
         self.offset = len(prompt_ids)
-        self.pending = self.sampler.pick(self.runner.model.logits(hidden[-1]), self.params)
+        self.pending = self._choose(self.runner.model.logits(hidden[-1]))
         return self.pending
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.grammar is None:
+            return self.sampler.pick(logits, self.params)
+        token = self.sampler.pick(logits, self.params, self.grammar.mask(logits.shape[-1], logits.device))
+        self.grammar.advance(token)
+        return token
 
     def step(self, room: int = 1) -> tuple[list[int], StepRecord]:
         start = time.perf_counter()
         out = self.runner.decode([self.pending], [self.offset], self.offset)
-        token = int(out.greedy[0]) if self.params.greedy else self.sampler.pick(out.logits[0], self.params)
+        if self.params.greedy and self.grammar is None:
+            token = int(out.greedy[0])
+        else:
+            token = self._choose(out.logits[0])
         self.offset += 1
         self.pending = token
         record = StepRecord(step=self.steps, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,

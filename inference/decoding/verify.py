@@ -12,6 +12,11 @@ a child token x is emitted either by acceptance or, never twice, from the residu
 was tried and rejected has residual mass 0, and the residual is renormalised by exactly the
 probability of reaching it. Duplicate child tokens are skipped (their p is already 0).
 
+Constrained output: ``masks(node)`` is the grammar's allowed-token mask after the path to ``node``,
+and the target at every node is the masked, renormalised distribution (``target_probs`` applies the
+mask first), exactly what vanilla decoding samples from after the same tokens. Nothing else changes,
+so the argument above holds for the constrained target as it does for the plain one.
+
 Typical acceptance (Medusa's relaxed mode) accepts a child whose probability clears an
 entropy-dependent threshold. It is faster at high temperature but NOT distribution-exact.
 """
@@ -19,12 +24,16 @@ entropy-dependent threshold. It is faster at high temperature but NOT distributi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from elesium.inference.sampling import Sampler, SamplingParams, sample_from, target_probs
 from elesium.inference.decoding.tree import Tree
+from elesium.inference.sampling import Sampler, SamplingParams, sample_from, target_probs
+
+NodeMasks = Callable[[int], torch.Tensor]
+"""Node id -> bool ``[V]`` mask of the tokens the grammar allows after the path to that node."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +42,8 @@ class Verdict:
     bonus: int  # token sampled from the base model at the last accepted node
 
 
-def verify_greedy(tree: Tree, node_tokens: list[int], best: list[int]) -> Verdict:
-    """``best[i]``: the base model's argmax token at node i."""
+def verify_greedy(tree: Tree, node_tokens: list[int], best: Sequence[int]) -> Verdict:
+    """``best[i]``: the base model's argmax token at node i (among the allowed ones, under a grammar)."""
     node = 0
     path = [0]
     while True:
@@ -46,7 +55,7 @@ def verify_greedy(tree: Tree, node_tokens: list[int], best: list[int]) -> Verdic
 
 
 def verify_sampled(tree: Tree, node_tokens: list[int], logits: torch.Tensor, params: SamplingParams,
-                   sampler: Sampler) -> Verdict:
+                   sampler: Sampler, masks: NodeMasks | None = None) -> Verdict:
     """Exact sequential rejection sampling over point-mass drafts (see module docstring).
 
     Reads back only what the walk needs: per visited node, its total mass and its children's
@@ -56,7 +65,7 @@ def verify_sampled(tree: Tree, node_tokens: list[int], logits: torch.Tensor, par
     node = 0
     path = [0]
     while True:
-        p = target_probs(logits[node], params)
+        p = target_probs(logits[node], params, None if masks is None else masks(node))
         kids = tree.children[node]
         masses: list[float] = []
         remaining = 1.0
@@ -85,12 +94,12 @@ def verify_sampled(tree: Tree, node_tokens: list[int], logits: torch.Tensor, par
 
 
 def verify_sampled_reference(tree: Tree, node_tokens: list[int], logits: torch.Tensor, params: SamplingParams,
-                             sampler: Sampler) -> Verdict:
+                             sampler: Sampler, masks: NodeMasks | None = None) -> Verdict:
     """The algorithm as written in the module docstring, on full host-side rows."""
     node = 0
     path = [0]
     while True:
-        p = target_probs(logits[node], params).double().cpu()
+        p = target_probs(logits[node], params, None if masks is None else masks(node)).double().cpu()
         moved = False
         for child in tree.children[node]:
             x = node_tokens[child]
@@ -108,12 +117,13 @@ def verify_sampled_reference(tree: Tree, node_tokens: list[int], logits: torch.T
 
 
 def verify_typical(tree: Tree, node_tokens: list[int], logits: torch.Tensor, params: SamplingParams,
-                   sampler: Sampler, epsilon: float = 0.09, delta: float = 0.3) -> Verdict:
+                   sampler: Sampler, epsilon: float = 0.09, delta: float = 0.3,
+                   masks: NodeMasks | None = None) -> Verdict:
     """Medusa's typical acceptance: keep a child whose probability exceeds min(eps, delta * e^-H)."""
     node = 0
     path = [0]
     while True:
-        p = target_probs(logits[node], params).double().cpu()
+        p = target_probs(logits[node], params, None if masks is None else masks(node)).double().cpu()
         entropy = float(-(p * p.clamp_min(1e-30).log()).sum())
         threshold = min(epsilon, delta * math.exp(-entropy))
         nxt = next((c for c in tree.children[node] if float(p[node_tokens[c]]) > threshold), None)
