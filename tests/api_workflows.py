@@ -1,5 +1,6 @@
 """Small workflows for the API tests: real LLM nodes on the real engine, an approval interrupt.
 
+The shipped workflows (ticket-triage, expense-approval, incident-summary) are registered too.
 ``approval`` drafts a sentence (LLM), waits for a human at ``interrupt`` and finishes with the
 decision; ``summary`` is one LLM node and ends. Token budgets are tiny so runs take well under a
 second on the CPU. ``approval_changed`` is ``approval`` with another prompt: same name, new version
@@ -100,7 +101,9 @@ class EditableRegistry(Registry):
 
 
 def build_registry() -> EditableRegistry:
+    from elesium.graphs.workflows import shipped
+
     registry = EditableRegistry()
-    for workflow in (approval(), approval(name="approval-versioned"), summary(), story()):
+    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), *shipped()):
         registry.register(workflow)
     return registry

@@ -26,7 +26,8 @@ def client(api_server):
 def test_assistants_one_per_workflow_version(client):
     found = client.assistants.search(limit=100)
     names = sorted(a["graph_id"] for a in found)
-    assert names == ["approval", "approval-versioned", "story", "summary"]
+    assert names == ["approval", "approval-versioned", "expense-approval", "incident-summary", "story", "summary",
+                     "ticket-triage"]
     approval = next(a for a in found if a["graph_id"] == "approval")
     assert len(approval["metadata"]["workflow_version"]) == 16
     assert client.assistants.get(approval["assistant_id"])["graph_id"] == "approval"
