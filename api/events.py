@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ class RunChannel:
     def __init__(self) -> None:
         self.events: list[tuple[str, Any]] = []
         self.closed = False
+        self.closed_at: float | None = None
         self.cancel = threading.Event()
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -36,6 +38,7 @@ class RunChannel:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            self.closed_at = time.monotonic()
             waiters = list(self._waiters)
         for loop, ev in waiters:
             loop.call_soon_threadsafe(ev.set)

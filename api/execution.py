@@ -225,6 +225,7 @@ class Services:
                     **_optional_record_fields(row)))
             except Exception:  # noqa: BLE001 - the registry is a secondary index; the run still runs
                 log.exception("run registry create failed for %s", row.run_id)
+        self._forget_old_channels()
         channel = RunChannel()
         self.channels[row.run_id] = channel
         channel.publish("metadata", {"run_id": row.run_id, "thread_id": row.thread_id, "attempt": 1})
@@ -303,6 +304,13 @@ class Services:
         self.metrics.observe_steps([rec for _, rec in tap.steps])
         nodes = list(dict.fromkeys(c.node for c in tap.calls))
         self.tracing.run_spans(wf.name, row.run_id, row.thread_id, tap.calls, nodes)
+
+    def _forget_old_channels(self, keep_s: float = 600.0) -> None:
+        """Drop event channels of runs that ended more than ``keep_s`` ago (a late ``join`` then reads the
+        final state from Redis; only the streamed events are gone)."""
+        now = time.monotonic()
+        for rid in [r for r, c in self.channels.items() if c.closed_at is not None and now - c.closed_at > keep_s]:
+            self.channels.pop(rid, None)
 
     def channel_or_none(self, run_id: str) -> RunChannel | None:
         return self.channels.get(run_id)

@@ -13,17 +13,24 @@ from typing import Any
 
 
 class Tracing:
-    def __init__(self, exporter: str = "none", model: str = "elesium") -> None:
-        self.enabled = exporter in ("console", "otlp")
+    def __init__(self, exporter: str = "none", model: str = "elesium", *, span_exporter: Any = None) -> None:
+        """``span_exporter``: an SDK SpanExporter to use instead (exported synchronously; tests use it)."""
+        self.enabled = exporter in ("console", "otlp") or span_exporter is not None
         self.model = model
         self.tracer: Any = None
-        self.exporter: Any = None
+        self.exporter: Any = span_exporter
         if not self.enabled:
             return
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
+        if span_exporter is not None:
+            provider = TracerProvider(resource=Resource.create({"service.name": "elesium"}))
+            provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+            self.provider = provider
+            self.tracer = provider.get_tracer("elesium.api")
+            return
         if exporter == "otlp":
             try:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from elesium.api.auth import Principal, principal
 from elesium.api.routers.common import empty_state, services, state_json, thread_json
 from elesium.api.schemas import HistoryRequest, StateCheckpointRequest, StateUpdate, ThreadCreate, ThreadPatch, ThreadSearch
+from elesium.graphs.audit import calls_key
 from elesium.graphs.replay import jsonable
 
 router = APIRouter(tags=["threads"])
@@ -68,6 +69,7 @@ def delete_thread(thread_id: str, request: Request, who: Principal = Depends(pri
     svc.saver.delete_thread(thread_id)
     for rid in run_ids:
         svc.acceptance.delete(rid)
+        svc.acceptance.client.delete(calls_key(svc.acceptance, rid))
     return Response(status_code=204)
 
 
