@@ -21,20 +21,46 @@ def calls_key(log: AcceptanceLog, run_id: str) -> str:
     return f"{log.key(run_id)}:calls"
 
 
-def call_entries(run_id: str, node: str, call_index: int, call_seed: int, gen: Generation,
-                 first_step_id: int) -> list[AcceptanceEntry]:
+def call_entries(
+    run_id: str, node: str, call_index: int, call_seed: int, gen: Generation, first_step_id: int
+) -> list[AcceptanceEntry]:
     """The entries of one call: its ``call`` entry, then one per verification step."""
-    prefill = StepRecord(step=0, mode=gen.mode, tree_size=1, tree_depth=0, accepted_length=1, accepted_nodes=(0,),
-                         tokens=tuple(gen.token_ids[:1]))
-    head = AcceptanceEntry(run_id=run_id, node_id=node, step_id=first_step_id, record=prefill, kind="call",
-                           call_index=call_index, call_seed=call_seed, tokens=tuple(gen.token_ids))
-    steps = [AcceptanceEntry(run_id=run_id, node_id=node, step_id=first_step_id + 1 + i, record=rec,
-                             call_index=call_index, call_seed=call_seed) for i, rec in enumerate(gen.steps)]
+    prefill = StepRecord(
+        step=0,
+        mode=gen.mode,
+        tree_size=1,
+        tree_depth=0,
+        accepted_length=1,
+        accepted_nodes=(0,),
+        tokens=tuple(gen.token_ids[:1]),
+    )
+    head = AcceptanceEntry(
+        run_id=run_id,
+        node_id=node,
+        step_id=first_step_id,
+        record=prefill,
+        kind="call",
+        call_index=call_index,
+        call_seed=call_seed,
+        tokens=tuple(gen.token_ids),
+    )
+    steps = [
+        AcceptanceEntry(
+            run_id=run_id,
+            node_id=node,
+            step_id=first_step_id + 1 + i,
+            record=rec,
+            call_index=call_index,
+            call_seed=call_seed,
+        )
+        for i, rec in enumerate(gen.steps)
+    ]
     return [head, *steps]
 
 
-def record_call(log: AcceptanceLog, run_id: str, node: str, call_index: int, call_seed: int,
-                gen: Generation) -> bool:
+def record_call(
+    log: AcceptanceLog, run_id: str, node: str, call_index: int, call_seed: int, gen: Generation
+) -> bool:
     """Append the call's entries unless this (node, call) is already recorded; True when written."""
     client: Any = log.client
     with translate_errors(f"the acceptance stream {log.key(run_id)}", "the configured server"):
@@ -47,8 +73,11 @@ def record_call(log: AcceptanceLog, run_id: str, node: str, call_index: int, cal
 
 def call_tokens(log: AcceptanceLog, run_id: str) -> list[tuple[str, int, int, tuple[int, ...]]]:
     """(node, call index, call seed, tokens) of every call of the run, in call order."""
-    return [(e.node_id, e.call_index or 0, e.call_seed or 0, e.tokens or ())
-            for e in log.iter_entries(run_id) if e.kind == "call"]
+    return [
+        (e.node_id, e.call_index or 0, e.call_seed or 0, e.tokens or ())
+        for e in log.iter_entries(run_id)
+        if e.kind == "call"
+    ]
 
 
 def comparable_entries(log: AcceptanceLog, run_id: str) -> list[dict[str, Any]]:
@@ -57,7 +86,15 @@ def comparable_entries(log: AcceptanceLog, run_id: str) -> list[dict[str, Any]]:
     for e in log.iter_entries(run_id):
         rec = e.record.to_dict()
         rec.pop("elapsed_s", None)
-        out.append({"node": e.node_id, "step_id": e.step_id, "kind": e.kind, "call_index": e.call_index,
-                    "call_seed": e.call_seed, "tokens": list(e.tokens) if e.tokens is not None else None,
-                    "record": rec})
+        out.append(
+            {
+                "node": e.node_id,
+                "step_id": e.step_id,
+                "kind": e.kind,
+                "call_index": e.call_index,
+                "call_seed": e.call_seed,
+                "tokens": list(e.tokens) if e.tokens is not None else None,
+                "record": rec,
+            }
+        )
     return out

@@ -49,20 +49,37 @@ class RunContext:
     calibrations: dict[str, str] = field(default_factory=dict)
 
 
-def run_config(engine: Any, *, run_seed: int, run_id: str | None = None, thread_id: str | None = None,
-               tenant: str = "default", log: AcceptanceLog | None = None, mode: str | None = None,
-               workflow: str = "", **config: Any) -> RunnableConfig:
+def run_config(
+    engine: Any,
+    *,
+    run_seed: int,
+    run_id: str | None = None,
+    thread_id: str | None = None,
+    tenant: str = "default",
+    log: AcceptanceLog | None = None,
+    mode: str | None = None,
+    workflow: str = "",
+    **config: Any,
+) -> RunnableConfig:
     """A LangGraph config for one run: pass it to ``graph.invoke`` / ``graph.stream``.
 
     ``thread_id`` defaults to the run id, so a run is one checkpoint thread. Extra keyword
     arguments (``callbacks``, ``recursion_limit``, ...) go into the config as they are.
     """
     run_id = run_id or uuid.uuid4().hex
-    ctx = RunContext(run_id=run_id, seed=int(run_seed), engine=engine, tenant=tenant, log=log, mode=mode,
-                     workflow=workflow)
+    ctx = RunContext(
+        run_id=run_id, seed=int(run_seed), engine=engine, tenant=tenant, log=log, mode=mode, workflow=workflow
+    )
     configurable = dict(config.pop("configurable", None) or {})
-    configurable.update({"thread_id": thread_id or run_id, "run_id": run_id, "run_seed": int(run_seed),
-                         "tenant": tenant, CONTEXT_KEY: ctx})
+    configurable.update(
+        {
+            "thread_id": thread_id or run_id,
+            "run_id": run_id,
+            "run_seed": int(run_seed),
+            "tenant": tenant,
+            CONTEXT_KEY: ctx,
+        }
+    )
     return RunnableConfig(**config, configurable=configurable)
 
 
@@ -71,6 +88,8 @@ def get_run_context(config: Mapping[str, Any] | None) -> RunContext:
     ctx = ((config or {}).get("configurable") or {}).get(CONTEXT_KEY)
     if not isinstance(ctx, RunContext):
         raise MissingRunContextError(
-            "this LLM node needs a run context: invoke the graph with config=run_config(engine, run_seed=...) "
-            "or through WorkflowRunner")
+            "this LLM node needs a run context: invoke the graph with "
+            "config=run_config(engine, run_seed=...) "
+            "or through WorkflowRunner"
+        )
     return ctx

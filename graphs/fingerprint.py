@@ -13,8 +13,16 @@ import hashlib
 import json
 from typing import Any
 
-FINGERPRINT_KEYS = ("model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device", "mode",
-                    "attention")
+FINGERPRINT_KEYS = (
+    "model_sha256",
+    "heads_sha256",
+    "profile_id",
+    "profile_version",
+    "dtype",
+    "device",
+    "mode",
+    "attention",
+)
 
 
 def engine_fingerprint(engine: Any, mode: str | None = None) -> dict[str, str]:
@@ -28,7 +36,9 @@ def engine_fingerprint(engine: Any, mode: str | None = None) -> dict[str, str]:
     policy = getattr(engine, "policy", None)
     profile = ""
     if policy is not None and dataclasses.is_dataclass(policy):
-        public = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if not f.name.startswith("_")}
+        public = {
+            f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if not f.name.startswith("_")
+        }
         profile = hashlib.sha256(json.dumps(public, sort_keys=True, default=repr).encode()).hexdigest()[:16]
     return {
         "model_sha256": str(getattr(weights, "sha256", "") or ""),

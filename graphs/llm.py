@@ -64,7 +64,9 @@ def _state_mapping(state: Any) -> Mapping[str, Any]:
         return {k: getattr(state, k) for k in type(state).model_fields}
     if dataclasses.is_dataclass(state) and not isinstance(state, type):
         return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-    raise TypeError(f"unsupported state type {type(state).__name__}; use a TypedDict, dataclass or pydantic model")
+    raise TypeError(
+        f"unsupported state type {type(state).__name__}; use a TypedDict, dataclass or pydantic model"
+    )
 
 
 def _coerce_params(params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
@@ -88,9 +90,17 @@ class LLMCall:
     constrained: bool
 
 
-def call_llm(config: RunnableConfig, *, node: str, call_index: int, prompt: str, system: str | None = None,
-             params: SamplingParams | None = None, output: OutputSpec | None = None,
-             mode: str | None = None) -> LLMCall:
+def call_llm(
+    config: RunnableConfig,
+    *,
+    node: str,
+    call_index: int,
+    prompt: str,
+    system: str | None = None,
+    params: SamplingParams | None = None,
+    output: OutputSpec | None = None,
+    mode: str | None = None,
+) -> LLMCall:
     """Decode one LLM call inside a graph node, seeded, streamed and audited.
 
     Usable from hand-written nodes too; the caller owns ``call_index`` (it must be the same when the
@@ -100,7 +110,7 @@ def call_llm(config: RunnableConfig, *, node: str, call_index: int, prompt: str,
     spec = output or OutputSpec()
     seed = derive_seed(ctx.seed, node, call_index)
     sampling = dataclasses.replace(params or SamplingParams(max_tokens=48), seed=seed)
-    messages: list[dict[str, str]] = ([{"role": "system", "content": system}] if system else [])
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     constrained = not spec.free_text and constraints_available(ctx.engine)
     extra: dict[str, Any] = {"constraint": spec.constraint()} if constrained else {}
@@ -109,12 +119,24 @@ def call_llm(config: RunnableConfig, *, node: str, call_index: int, prompt: str,
     message_id = f"{ctx.run_id}:{node}:{call_index}"
     lc_messages = [SystemMessage(content=system)] if system else []
     lc_messages.append(HumanMessage(content=prompt))
-    manager = CallbackManager.configure(config.get("callbacks"), None, inheritable_tags=config.get("tags"),
-                                        inheritable_metadata=config.get("metadata"))
+    manager = CallbackManager.configure(
+        config.get("callbacks"),
+        None,
+        inheritable_tags=config.get("tags"),
+        inheritable_metadata=config.get("metadata"),
+    )
     run = manager.on_chat_model_start(
-        {"name": "elesium", "id": ["elesium", "graphs", "llm"]}, [lc_messages], name=node,
-        invocation_params={"seed": seed, "temperature": sampling.temperature, "max_tokens": sampling.max_tokens,
-                           "mode": decode_mode or "", "call_index": call_index, **spec.describe()},
+        {"name": "elesium", "id": ["elesium", "graphs", "llm"]},
+        [lc_messages],
+        name=node,
+        invocation_params={
+            "seed": seed,
+            "temperature": sampling.temperature,
+            "max_tokens": sampling.max_tokens,
+            "mode": decode_mode or "",
+            "call_index": call_index,
+            **spec.describe(),
+        },
     )[0]
     try:
         writer = get_stream_writer()
@@ -126,26 +148,53 @@ def call_llm(config: RunnableConfig, *, node: str, call_index: int, prompt: str,
         for chunk in stream:
             if not chunk.text and not chunk.token_ids:
                 continue
-            run.on_llm_new_token(chunk.text, chunk=ChatGenerationChunk(
-                message=AIMessageChunk(content=chunk.text, id=message_id,
-                                       response_metadata={"token_ids": list(chunk.token_ids)})))
+            run.on_llm_new_token(
+                chunk.text,
+                chunk=ChatGenerationChunk(
+                    message=AIMessageChunk(
+                        content=chunk.text,
+                        id=message_id,
+                        response_metadata={"token_ids": list(chunk.token_ids)},
+                    )
+                ),
+            )
             if writer is not None:
-                writer({"node": node, "call_index": call_index, "text": chunk.text,
-                        "token_ids": list(chunk.token_ids)})
+                writer(
+                    {
+                        "node": node,
+                        "call_index": call_index,
+                        "text": chunk.text,
+                        "token_ids": list(chunk.token_ids),
+                    }
+                )
         gen = stream.result
         value = spec.parse(gen.text, constrained=constrained, truncated=gen.finish_reason == "length")
     except BaseException as exc:
         run.on_llm_error(exc)
         raise
-    usage = {"input_tokens": gen.prompt_tokens, "output_tokens": gen.new_tokens,
-             "total_tokens": gen.prompt_tokens + gen.new_tokens}
-    final = AIMessage(content=gen.text, id=message_id, usage_metadata=usage,  # type: ignore[arg-type]
-                      response_metadata={"finish_reason": gen.finish_reason, "seed": seed, "mode": gen.mode})
+    usage = {
+        "input_tokens": gen.prompt_tokens,
+        "output_tokens": gen.new_tokens,
+        "total_tokens": gen.prompt_tokens + gen.new_tokens,
+    }
+    final = AIMessage(
+        content=gen.text,
+        id=message_id,
+        usage_metadata=usage,  # type: ignore[arg-type]
+        response_metadata={"finish_reason": gen.finish_reason, "seed": seed, "mode": gen.mode},
+    )
     run.on_llm_end(LLMResult(generations=[[ChatGeneration(message=final)]]))
     if ctx.log is not None:
         record_call(ctx.log, ctx.run_id, node, call_index, seed, gen)
-    return LLMCall(node=node, call_index=call_index, seed=seed, prompt=prompt, value=value, generation=gen,
-                   constrained=constrained)
+    return LLMCall(
+        node=node,
+        call_index=call_index,
+        seed=seed,
+        prompt=prompt,
+        value=value,
+        generation=gen,
+        constrained=constrained,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +222,16 @@ class LLMNode:
         values = _state_mapping(state)
         call_index = int((values.get(CALLS_KEY) or {}).get(self.name, 0))
         prompt = render(self.prompt, values, self.template_format, node=self.name)
-        call = call_llm(config, node=self.name, call_index=call_index, prompt=prompt, system=self.system,
-                        params=self.params, output=self.output, mode=self.mode)
+        call = call_llm(
+            config,
+            node=self.name,
+            call_index=call_index,
+            prompt=prompt,
+            system=self.system,
+            params=self.params,
+            output=self.output,
+            mode=self.mode,
+        )
         return {self.output_key: call.value, CALLS_KEY: {self.name: 1}}
 
     def fingerprint(self) -> dict[str, Any]:
@@ -183,16 +240,31 @@ class LLMNode:
         params.pop("seed", None)  # derived per call
         params["stop"] = list(params["stop"])
         prompt = self.prompt if isinstance(self.prompt, str) else inspect.getsource(self.prompt)
-        return {"kind": "llm", "name": self.name, "prompt": prompt, "system": self.system,
-                "template_format": self.template_format, "output_key": self.output_key, "params": params,
-                "output": self.output.describe(), "mode": self.mode}
+        return {
+            "kind": "llm",
+            "name": self.name,
+            "prompt": prompt,
+            "system": self.system,
+            "template_format": self.template_format,
+            "output_key": self.output_key,
+            "params": params,
+            "output": self.output.describe(),
+            "mode": self.mode,
+        }
 
 
-def llm_node(name: str, *, prompt: PromptSource, output_key: str,
-             params: SamplingParams | Mapping[str, Any] | None = None,
-             output: type[BaseModel] | Sequence[str] | None = None, regex: str | None = None,
-             mode: str | None = None, system: str | None = None,
-             template_format: TemplateFormat = "f-string") -> LLMNode:
+def llm_node(
+    name: str,
+    *,
+    prompt: PromptSource,
+    output_key: str,
+    params: SamplingParams | Mapping[str, Any] | None = None,
+    output: type[BaseModel] | Sequence[str] | None = None,
+    regex: str | None = None,
+    mode: str | None = None,
+    system: str | None = None,
+    template_format: TemplateFormat = "f-string",
+) -> LLMNode:
     """An LLM node.
 
     Args:
@@ -208,5 +280,13 @@ def llm_node(name: str, *, prompt: PromptSource, output_key: str,
     """
     if not name or not output_key:
         raise ValueError("llm_node needs a name and an output_key")
-    return LLMNode(name=name, prompt=prompt, output_key=output_key, params=_coerce_params(params),
-                   output=OutputSpec.of(output, regex), mode=mode, system=system, template_format=template_format)
+    return LLMNode(
+        name=name,
+        prompt=prompt,
+        output_key=output_key,
+        params=_coerce_params(params),
+        output=OutputSpec.of(output, regex),
+        mode=mode,
+        system=system,
+        template_format=template_format,
+    )

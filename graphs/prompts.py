@@ -33,8 +33,9 @@ def _jinja(template: str) -> Any:
     return env.from_string(template)
 
 
-def render(template: PromptSource, state: Mapping[str, Any], fmt: TemplateFormat = "f-string",
-           *, node: str = "?") -> str:
+def render(
+    template: PromptSource, state: Mapping[str, Any], fmt: TemplateFormat = "f-string", *, node: str = "?"
+) -> str:
     """The prompt text for ``state``. A callable template is called with the state."""
     if callable(template):
         return str(template(state))
@@ -44,5 +45,7 @@ def render(template: PromptSource, state: Mapping[str, Any], fmt: TemplateFormat
             return _jinja(template).render(**values)
         return template.format(**values)
     except (KeyError, UndefinedError) as exc:
-        raise PromptRenderError(f"node {node!r}: the prompt template needs {exc} which the state does not "
-                                f"have (state keys: {sorted(values)})") from exc
+        raise PromptRenderError(
+            f"node {node!r}: the prompt template needs {exc} which the state does not "
+            f"have (state keys: {sorted(values)})"
+        ) from exc

@@ -18,11 +18,12 @@ from langgraph.graph import StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from pydantic import BaseModel, TypeAdapter
 
+from elesium.errors import UserError
 from elesium.graphs.llm import CALLS_KEY
 from elesium.graphs.versioning import graph_version
 
 
-class UnknownWorkflowError(KeyError):
+class UnknownWorkflowError(UserError, KeyError):
     """No workflow (or no such version of it) in the registry."""
 
     def __str__(self) -> str:  # KeyError's str() would quote the message
@@ -53,23 +54,42 @@ class Workflow:
     resume_model: type[BaseModel] | None = None
 
     @classmethod
-    def define(cls, name: str, factory: Callable[[], StateGraph], input_model: type[BaseModel], *,
-               description: str, label: str | None = None,
-               resume_model: type[BaseModel] | None = None) -> Workflow:
+    def define(
+        cls,
+        name: str,
+        factory: Callable[[], StateGraph],
+        input_model: type[BaseModel],
+        *,
+        description: str,
+        label: str | None = None,
+        resume_model: type[BaseModel] | None = None,
+    ) -> Workflow:
         """Build the graph once to check it and hash it."""
         builder = factory()
         state = builder.state_schema
         fields = _state_fields(state)
         missing = [k for k in input_model.model_fields if k not in fields]
         if missing:
-            raise ValueError(f"workflow {name!r}: input fields {missing} are not keys of the state {state.__name__}")
+            raise ValueError(
+                f"workflow {name!r}: input fields {missing} are not keys of the state {state.__name__}"
+            )
         if CALLS_KEY not in fields:
-            raise ValueError(f"workflow {name!r}: the state {state.__name__} lacks {CALLS_KEY!r}; subclass "
-                             "elesium.graphs.WorkflowState so LLM calls get deterministic indices")
+            raise ValueError(
+                f"workflow {name!r}: the state {state.__name__} lacks {CALLS_KEY!r}; subclass "
+                "elesium.graphs.WorkflowState so LLM calls get deterministic indices"
+            )
         builder.compile()  # structural errors surface at registration, not at the first run
-        return cls(name=name, version=graph_version(builder, input_model), label=label, description=description,
-                   input_model=input_model, state_schema=state, graph_id=name, factory=factory,
-                   resume_model=resume_model)
+        return cls(
+            name=name,
+            version=graph_version(builder, input_model),
+            label=label,
+            description=description,
+            input_model=input_model,
+            state_schema=state,
+            graph_id=name,
+            factory=factory,
+            resume_model=resume_model,
+        )
 
     def build(self, checkpointer: Any = None) -> CompiledStateGraph:
         """A fresh compiled graph on ``checkpointer`` (None: no persistence)."""
@@ -81,12 +101,20 @@ class Workflow:
             state: dict[str, Any] = TypeAdapter(self.state_schema).json_schema()
         except Exception:  # noqa: BLE001 - an exotic state type: still list the keys
             state = {"type": "object", "properties": {k: {} for k in _state_fields(self.state_schema)}}
-        return {"input": self.input_model.model_json_schema(), "state": state,
-                "resume": self.resume_model.model_json_schema() if self.resume_model else None}
+        return {
+            "input": self.input_model.model_json_schema(),
+            "state": state,
+            "resume": self.resume_model.model_json_schema() if self.resume_model else None,
+        }
 
     def summary(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "label": self.label, "description": self.description,
-                "input_fields": list(self.input_model.model_fields)}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "label": self.label,
+            "description": self.description,
+            "input_fields": list(self.input_model.model_fields),
+        }
 
 
 def _state_fields(state: type) -> set[str]:
@@ -122,8 +150,9 @@ class Registry:
         if version is None:
             return versions[self._latest[name]]
         if version not in versions:
-            raise UnknownWorkflowError(f"workflow {name!r} has no version {version!r} (registered: "
-                                       f"{', '.join(sorted(versions))})")
+            raise UnknownWorkflowError(
+                f"workflow {name!r} has no version {version!r} (registered: {', '.join(sorted(versions))})"
+            )
         return versions[version]
 
 

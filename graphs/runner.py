@@ -19,6 +19,7 @@ from typing import Any, Literal
 from langgraph.types import Command
 from pydantic import BaseModel, ValidationError
 
+from elesium.errors import UserError
 from elesium.graphs.context import run_config
 from elesium.graphs.fingerprint import engine_fingerprint
 from elesium.graphs.registry import Registry, Workflow, default_registry
@@ -33,22 +34,22 @@ RunOutcome = Literal["succeeded", "interrupted", "failed"]
 EventSink = Callable[[str, Any], None]
 
 
-class InputValidationError(ValueError):
+class InputValidationError(UserError, ValueError):
     """The workflow input (or a resume value) does not match its schema. One line, for users."""
 
 
-class RunStateError(ValueError):
+class RunStateError(UserError, ValueError):
     """The run cannot do what was asked in its current state (e.g. resume a finished run)."""
 
 
-class EngineMismatchError(ValueError):
+class EngineMismatchError(UserError, ValueError):
     """Resuming on an engine whose fingerprint differs from the one the run started on."""
 
 
 def validate(model: type[BaseModel], value: Any, what: str) -> dict[str, Any]:
     """``value`` validated by ``model``, as JSON-able data; else one line naming the first problem."""
     if not isinstance(value, Mapping):
-        raise InputValidationError(f"{what} must be a JSON object, got {type(value).__name__}")
+        raise InputValidationError(f"{what}: must be a JSON object, got {type(value).__name__}")
     try:
         return model.model_validate(dict(value)).model_dump(mode="json")
     except ValidationError as exc:
@@ -89,8 +90,15 @@ class WorkflowRunner:
         prefix: key root for checkpoints, run records and acceptance streams (tests isolate by it).
     """
 
-    def __init__(self, engine: Any, redis_url: str | None = None, *, registry: Registry | None = None,
-                 mode: str | None = None, prefix: str = "elesium") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        redis_url: str | None = None,
+        *,
+        registry: Registry | None = None,
+        mode: str | None = None,
+        prefix: str = "elesium",
+    ) -> None:
         url = redis_url or default_url()
         self.engine = engine
         self.registry = registry or default_registry()
@@ -103,8 +111,17 @@ class WorkflowRunner:
     def workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
         return workflow if isinstance(workflow, Workflow) else self.registry.get(workflow, version)
 
-    def start(self, workflow: Workflow | str, input: Any, *, seed: int | None = None, thread_id: str | None = None,
-              run_id: str | None = None, tenant: str = "default", on_event: EventSink | None = None) -> RunResult:
+    def start(
+        self,
+        workflow: Workflow | str,
+        input: Any,
+        *,
+        seed: int | None = None,
+        thread_id: str | None = None,
+        run_id: str | None = None,
+        tenant: str = "default",
+        on_event: EventSink | None = None,
+    ) -> RunResult:
         """Validate, register and run; returns when the run ends or stops at an interrupt.
 
         Raises (before writing anything): UnknownWorkflowError, InputValidationError; RunExistsError
@@ -114,10 +131,17 @@ class WorkflowRunner:
         values = validate(wf.input_model, input, f"invalid input for workflow {wf.name!r}")
         run_seed = int(seed) if seed is not None else fresh_run_seed()
         run_id = run_id or uuid.uuid4().hex
-        record = RunRecord(run_id=run_id, workflow=wf.name, workflow_version=wf.version,
-                           input_hash=hash_input(values), seeds={"run": run_seed}, tenant=tenant,
-                           thread_id=thread_id or run_id, input=values,
-                           engine=engine_fingerprint(self.engine, self.mode))
+        record = RunRecord(
+            run_id=run_id,
+            workflow=wf.name,
+            workflow_version=wf.version,
+            input_hash=hash_input(values),
+            seeds={"run": run_seed},
+            tenant=tenant,
+            thread_id=thread_id or run_id,
+            input=values,
+            engine=engine_fingerprint(self.engine, self.mode),
+        )
         self.runs.create(record)
         self.runs.update_status(run_id, RunStatus.RUNNING)
         return self._execute(wf, record, values, on_event)
@@ -133,28 +157,51 @@ class WorkflowRunner:
         if record is None:
             raise RunNotFoundError(f"no run {run_id!r} in the registry")
         if record.status != RunStatus.INTERRUPTED:
-            raise RunStateError(f"run {run_id!r} is {record.status.value}; only an interrupted run can be resumed")
+            raise RunStateError(
+                f"run {run_id!r} is {record.status.value}; only an interrupted run can be resumed"
+            )
         wf = self.registry.get(record.workflow, record.workflow_version)
         if wf.resume_model is not None:
             value = validate(wf.resume_model, value, f"invalid resume value for workflow {wf.name!r}")
         mode = record.engine.get("mode") or None
         current = engine_fingerprint(self.engine, mode)
         if record.engine and current != record.engine:
-            diff = sorted(k for k in set(current) | set(record.engine) if current.get(k) != record.engine.get(k))
-            raise EngineMismatchError(f"run {run_id!r} started on a different engine ({', '.join(diff)} differ); "
-                                      "resume it where the same model, heads, profile, dtype and device are loaded")
+            diff = sorted(
+                k for k in set(current) | set(record.engine) if current.get(k) != record.engine.get(k)
+            )
+            raise EngineMismatchError(
+                f"run {run_id!r} started on a different engine ({', '.join(diff)} differ); "
+                "resume it where the same model, heads, profile, dtype and device are loaded"
+            )
         self.runs.update_status(run_id, RunStatus.RUNNING)
         return self._execute(wf, record, Command(resume=value), on_event)
 
-    def _execute(self, wf: Workflow, record: RunRecord, graph_input: Any, on_event: EventSink | None) -> RunResult:
+    def _execute(
+        self, wf: Workflow, record: RunRecord, graph_input: Any, on_event: EventSink | None
+    ) -> RunResult:
         seed = record.seeds["run"]
         thread_id = record.thread_id or record.run_id
         mode = record.engine.get("mode") or self.mode
         graph = wf.build(self.saver)
-        config = run_config(self.engine, run_seed=seed, run_id=record.run_id, thread_id=thread_id,
-                            tenant=record.tenant, log=self.log, mode=mode, workflow=wf.name)
-        result = RunResult(run_id=record.run_id, thread_id=thread_id, workflow=wf.name,
-                           workflow_version=wf.version, status="failed", seed=seed, fingerprint=dict(record.engine))
+        config = run_config(
+            self.engine,
+            run_seed=seed,
+            run_id=record.run_id,
+            thread_id=thread_id,
+            tenant=record.tenant,
+            log=self.log,
+            mode=mode,
+            workflow=wf.name,
+        )
+        result = RunResult(
+            run_id=record.run_id,
+            thread_id=thread_id,
+            workflow=wf.name,
+            workflow_version=wf.version,
+            status="failed",
+            seed=seed,
+            fingerprint=dict(record.engine),
+        )
         try:
             for mode_name, payload in graph.stream(graph_input, config, stream_mode=["updates", "custom"]):
                 if on_event is not None:
@@ -162,7 +209,9 @@ class WorkflowRunner:
             snapshot = graph.get_state(config)
         except Exception as exc:  # noqa: BLE001 - a node failed: the run is recorded as failed
             result.error = (str(exc).splitlines() or [type(exc).__name__])[0] or type(exc).__name__
-            self.runs.update_status(record.run_id, RunStatus.FAILED, error=f"{type(exc).__name__}: {result.error}")
+            self.runs.update_status(
+                record.run_id, RunStatus.FAILED, error=f"{type(exc).__name__}: {result.error}"
+            )
             result.acceptance = self.acceptance_summary(record.run_id)
             return result
         result.state = dict(snapshot.values)
@@ -189,5 +238,10 @@ class WorkflowRunner:
             s = self.log.summary(run_id, name)
             node.update(steps=s.steps, tau=round(s.tau, 4))
         total = self.log.summary(run_id)
-        return {"calls": sum(n["calls"] for n in nodes.values()), "tokens": sum(n["tokens"] for n in nodes.values()),
-                "steps": total.steps, "tau": round(total.tau, 4), "nodes": nodes}
+        return {
+            "calls": sum(n["calls"] for n in nodes.values()),
+            "tokens": sum(n["tokens"] for n in nodes.values()),
+            "steps": total.steps,
+            "tau": round(total.tau, 4),
+            "nodes": nodes,
+        }

@@ -120,10 +120,14 @@ class OutputSpec:
                 return self.model.model_validate_json(text).model_dump(mode="json")
             except ValidationError as exc:
                 err = exc.errors()[0]
-                why = ("the token budget ran out first; raise max_tokens" if truncated else
-                       f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}")
-                raise StructuredOutputError(f"the answer {text[:60]!r} does not parse as {self.model.__name__} "
-                                            f"({why})") from exc
+                why = (
+                    "the token budget ran out first; raise max_tokens"
+                    if truncated
+                    else f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+                )
+                raise StructuredOutputError(
+                    f"the answer {text[:60]!r} does not parse as {self.model.__name__} ({why})"
+                ) from exc
         if self.choices is not None:
             stripped = text.strip()
             if stripped in self.choices:

@@ -65,16 +65,27 @@ def _schema_of(tp: Any) -> Any:
 def describe_graph(builder: StateGraph, input_model: Any = None) -> dict[str, Any]:
     """The hashed description: JSON-able, sorted, free of memory addresses."""
     nodes = {name: _code_of(spec.runnable, set()) for name, spec in sorted(builder.nodes.items())}
-    edges = sorted([list(e) for e in builder.edges] + [[sorted(starts), end] for starts, end in builder.waiting_edges],
-                   key=json.dumps)
+    edges = sorted(
+        [list(e) for e in builder.edges] + [[sorted(starts), end] for starts, end in builder.waiting_edges],
+        key=json.dumps,
+    )
     branches = {
-        source: {name: {"path": _code_of(branch.path, set()),
-                        "ends": sorted([str(k), v] for k, v in (branch.ends or {}).items())}
-                 for name, branch in sorted(by_name.items())}
+        source: {
+            name: {
+                "path": _code_of(branch.path, set()),
+                "ends": sorted([str(k), v] for k, v in (branch.ends or {}).items()),
+            }
+            for name, branch in sorted(by_name.items())
+        }
         for source, by_name in sorted(builder.branches.items())
     }
-    return {"nodes": nodes, "edges": edges, "branches": branches, "state": _schema_of(builder.state_schema),
-            "input": _schema_of(input_model) if input_model is not None else None}
+    return {
+        "nodes": nodes,
+        "edges": edges,
+        "branches": branches,
+        "state": _schema_of(builder.state_schema),
+        "input": _schema_of(input_model) if input_model is not None else None,
+    }
 
 
 def graph_version(builder: StateGraph, input_model: Any = None) -> str:

@@ -44,11 +44,18 @@ class EchoState(WorkflowState, total=False):
     rounds: int
 
 
-def echo_builder(prompt: str = "Write one short sentence about {topic}.", max_tokens: int = 6,
-                 temperature: float = 0.0) -> StateGraph:
+def echo_builder(
+    prompt: str = "Write one short sentence about {topic}.", max_tokens: int = 6, temperature: float = 0.0
+) -> StateGraph:
     builder = StateGraph(EchoState)
-    builder.add_node(llm_node("write", prompt=prompt, output_key="answer",
-                              params={"max_tokens": max_tokens, "temperature": temperature}))
+    builder.add_node(
+        llm_node(
+            "write",
+            prompt=prompt,
+            output_key="answer",
+            params={"max_tokens": max_tokens, "temperature": temperature},
+        )
+    )
     builder.add_edge(START, "write")
     builder.add_edge("write", END)
     return builder
@@ -61,8 +68,13 @@ def test_call_seeds_are_pure_functions_of_run_node_and_index() -> None:
     assert derive_seed(7, "draft", 3) == derive_seed(7, "draft", 3)
     assert all(0 <= s < 2**63 for s in seeds)
     # Pinned: the derivation is part of the replay contract; changing it breaks old runs' replays.
-    assert derive_seed(7, "draft_reply", 0) == int.from_bytes(
-        __import__("hashlib").sha256(b"elesium-call-seed/1:7:11:draft_reply:0").digest()[:8], "big") >> 1
+    assert (
+        derive_seed(7, "draft_reply", 0)
+        == int.from_bytes(
+            __import__("hashlib").sha256(b"elesium-call-seed/1:7:11:draft_reply:0").digest()[:8], "big"
+        )
+        >> 1
+    )
     with pytest.raises(ValueError):
         derive_seed(1, "x", -1)
 
@@ -96,7 +108,10 @@ def test_output_specs_parse_and_fall_back() -> None:
 # ---------------------------------------------------------------- versions and the registry
 def test_version_is_stable_and_changes_with_prompt_params_code_and_edges() -> None:
     base = Workflow.define("echo", echo_builder, Echo, description="d")
-    assert Workflow.define("echo", echo_builder, Echo, description="other text", label="L").version == base.version
+    assert (
+        Workflow.define("echo", echo_builder, Echo, description="other text", label="L").version
+        == base.version
+    )
     assert len(base.version) == 16 and int(base.version, 16) >= 0
     other_prompt = Workflow.define("echo", lambda: echo_builder(prompt="Say {topic}."), Echo, description="d")
     other_params = Workflow.define("echo", lambda: echo_builder(max_tokens=7), Echo, description="d")
@@ -115,8 +130,10 @@ def test_version_is_stable_and_changes_with_prompt_params_code_and_edges() -> No
         return builder
 
     # Same structure, same source text for both variants: the hash sees code, not closures' values...
-    assert Workflow.define("e", lambda: with_tail(0), Echo, description="").version == \
-        Workflow.define("e", lambda: with_tail(1), Echo, description="").version
+    assert (
+        Workflow.define("e", lambda: with_tail(0), Echo, description="").version
+        == Workflow.define("e", lambda: with_tail(1), Echo, description="").version
+    )
     # ...and an added node and its edges change it.
     assert Workflow.define("e", lambda: with_tail(0), Echo, description="").version != base.version
 
@@ -130,7 +147,9 @@ def test_shipped_versions_are_the_same_in_a_fresh_registry() -> None:
 def test_registry_lookup_and_errors() -> None:
     registry = Registry()
     first = registry.register(Workflow.define("echo", echo_builder, Echo, description="d"))
-    second = registry.register(Workflow.define("echo", lambda: echo_builder(max_tokens=9), Echo, description="d"))
+    second = registry.register(
+        Workflow.define("echo", lambda: echo_builder(max_tokens=9), Echo, description="d")
+    )
     assert registry.get("echo") is second and registry.get("echo", first.version) is first
     assert [w.version for w in registry.list()] == [second.version]
     with pytest.raises(UnknownWorkflowError) as err:
@@ -167,29 +186,65 @@ def test_define_rejects_states_without_the_call_counter_or_input_fields() -> Non
 # ---------------------------------------------------------------- records written before workflows
 def test_old_run_hashes_and_acceptance_entries_still_read(redis_url: str, key_prefix: str) -> None:
     registry = RunRegistry.from_url(redis_url, prefix=key_prefix)
-    old = {b"run_id": b"r-old", b"workflow": b"w", b"workflow_version": b"1", b"input_hash": b"h",
-           b"seeds": b"{}", b"status": b"succeeded", b"tenant": b"default", b"error": b"",
-           b"created_at": datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat().encode(),
-           b"updated_at": datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat().encode(), b"created_ms": b"1"}
+    old = {
+        b"run_id": b"r-old",
+        b"workflow": b"w",
+        b"workflow_version": b"1",
+        b"input_hash": b"h",
+        b"seeds": b"{}",
+        b"status": b"succeeded",
+        b"tenant": b"default",
+        b"error": b"",
+        b"created_at": datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat().encode(),
+        b"updated_at": datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat().encode(),
+        b"created_ms": b"1",
+    }
     registry.client.hset(registry._run_key("r-old"), mapping=old)
     record = registry.get("r-old")
     assert record is not None and record.input is None and record.engine == {} and record.thread_id == ""
-    new = RunRecord(run_id="r-new", workflow="w", workflow_version="1", input_hash="h", input={"q": "ü{"},
-                    engine={"model_sha256": "ab"}, thread_id="t", calibrations={"n": "3"})
+    new = RunRecord(
+        run_id="r-new",
+        workflow="w",
+        workflow_version="1",
+        input_hash="h",
+        input={"q": "ü{"},
+        engine={"model_sha256": "ab"},
+        thread_id="t",
+        calibrations={"n": "3"},
+    )
     registry.create(new)
-    assert registry.get("r-new").model_dump(exclude={"created_at", "updated_at"}) == \
-        new.model_dump(exclude={"created_at", "updated_at"})
+    assert registry.get("r-new").model_dump(exclude={"created_at", "updated_at"}) == new.model_dump(
+        exclude={"created_at", "updated_at"}
+    )
 
     log = AcceptanceLog.from_url(redis_url, prefix=key_prefix, retention=Retention(maxlen=None))
-    rec = StepRecord(step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1, accepted_nodes=(0,),
-                     tokens=(5,))
-    log.client.xadd(log.key("r"), {"v": "1", "run_id": "r", "node_id": "n", "step_id": "0",
-                                   "record": json.dumps(rec.to_dict())})
-    log.append(AcceptanceEntry(run_id="r", node_id="n", step_id=1, record=rec, kind="call", call_index=2,
-                               call_seed=99, tokens=(5, 6)))
+    rec = StepRecord(
+        step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1, accepted_nodes=(0,), tokens=(5,)
+    )
+    log.client.xadd(
+        log.key("r"),
+        {"v": "1", "run_id": "r", "node_id": "n", "step_id": "0", "record": json.dumps(rec.to_dict())},
+    )
+    log.append(
+        AcceptanceEntry(
+            run_id="r",
+            node_id="n",
+            step_id=1,
+            record=rec,
+            kind="call",
+            call_index=2,
+            call_seed=99,
+            tokens=(5, 6),
+        )
+    )
     old_entry, call_entry = log.read("r")
     assert (old_entry.kind, old_entry.call_index, old_entry.tokens) == ("step", None, None)
-    assert (call_entry.kind, call_entry.call_index, call_entry.call_seed, call_entry.tokens) == ("call", 2, 99, (5, 6))
+    assert (call_entry.kind, call_entry.call_index, call_entry.call_seed, call_entry.tokens) == (
+        "call",
+        2,
+        99,
+        (5, 6),
+    )
     assert log.summary("r").steps == 1  # the call entry is not a verification step
 
 
@@ -204,8 +259,11 @@ def test_tokens_stream_in_messages_and_custom_modes(engine) -> None:
     chunks: list[AIMessageChunk] = []
     custom: list[dict[str, Any]] = []
     final: dict[str, Any] = {}
-    for mode, payload in graph.stream({"topic": "cats"}, run_config(engine, run_seed=1, run_id="s1"),
-                                      stream_mode=["messages", "custom", "values"]):
+    for mode, payload in graph.stream(
+        {"topic": "cats"},
+        run_config(engine, run_seed=1, run_id="s1"),
+        stream_mode=["messages", "custom", "values"],
+    ):
         if mode == "messages":
             message, meta = payload
             assert meta["langgraph_node"] == "write"
@@ -223,7 +281,9 @@ def test_tokens_stream_in_messages_and_custom_modes(engine) -> None:
     assert final["llm_calls"] == {"write": 1}
 
 
-def test_call_index_counts_in_the_state_and_seeds_sampled_calls(engine, redis_url: str, key_prefix: str) -> None:
+def test_call_index_counts_in_the_state_and_seeds_sampled_calls(
+    engine, redis_url: str, key_prefix: str
+) -> None:
     """A node called twice in a loop gets indices 0 and 1: two seeds, reproducible per run seed."""
     from elesium.state import RedisSaver
 
@@ -245,7 +305,9 @@ def test_call_index_counts_in_the_state_and_seeds_sampled_calls(engine, redis_ur
         return call_tokens(log, run_id)
 
     first, again, other = run("a", 11), run("b", 11), run("c", 12)
-    assert [(n, i, s) for n, i, s, _ in first] == [("write", i, derive_seed(11, "write", i)) for i in range(2)]
+    assert [(n, i, s) for n, i, s, _ in first] == [
+        ("write", i, derive_seed(11, "write", i)) for i in range(2)
+    ]
     assert first == again  # same run seed: same seeds, same sampled tokens
     assert [s for _, _, s, _ in other] != [s for _, _, s, _ in first]
     assert [t for *_, t in other] != [t for *_, t in first]  # temperature 1: other seeds, other tokens

@@ -19,8 +19,10 @@ from elesium.state import AcceptanceLog, Retention, RunRegistry
 
 pytest_plugins = ["state_fixtures"]
 
-TICKET = {"subject": "Charged twice for my subscription",
-          "body": "My card was charged twice for order 55120 this month. Please refund the duplicate payment."}
+TICKET = {
+    "subject": "Charged twice for my subscription",
+    "body": "My card was charged twice for order 55120 this month. Please refund the duplicate payment.",
+}
 APPROVAL = {"approved": True}
 SEED = 41
 
@@ -30,15 +32,27 @@ def run_in_process(runner: WorkflowRunner) -> dict[str, Any]:
     assert started.status == "interrupted", started.error
     finished = runner.resume(started.run_id, APPROVAL)
     assert finished.status == "succeeded", finished.error
-    return {"at_interrupt": started.state, "final": finished.state, "interrupt": [i["value"] for i in started.interrupt],
-            "calls": call_tokens(runner.log, started.run_id), "entries": comparable_entries(runner.log, started.run_id),
-            "engine": runner.runs.get(started.run_id).engine, "version": finished.workflow_version}
+    return {
+        "at_interrupt": started.state,
+        "final": finished.state,
+        "interrupt": [i["value"] for i in started.interrupt],
+        "calls": call_tokens(runner.log, started.run_id),
+        "entries": comparable_entries(runner.log, started.run_id),
+        "engine": runner.runs.get(started.run_id).engine,
+        "version": finished.workflow_version,
+    }
 
 
 def elesium(*args: str, redis_url: str) -> dict[str, Any]:
     env = {**os.environ, "REDIS_URL": redis_url, "ELESIUM_DEVICE": "cpu", "ELESIUM_DTYPE": "float32"}
-    proc = subprocess.run([sys.executable, "-m", "elesium.cli", *args, "--json"], capture_output=True, text=True,
-                          env=env, timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elesium.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -49,10 +63,14 @@ def test_same_seed_same_run_here_and_in_a_fresh_process(engine, redis_url: str, 
     second = run_in_process(runner)
     assert first == second
     assert len(first["calls"]) == 4 and all(tokens for *_, tokens in first["calls"])
-    assert first["final"]["outcome"] == "sent" and first["final"]["final_reply"] == first["at_interrupt"]["draft"]
+    assert (
+        first["final"]["outcome"] == "sent"
+        and first["final"]["final_reply"] == first["at_interrupt"]["draft"]
+    )
 
-    started = elesium("run", "ticket-triage", "--input", json.dumps(TICKET), "--seed", str(SEED),
-                      redis_url=redis_url)
+    started = elesium(
+        "run", "ticket-triage", "--input", json.dumps(TICKET), "--seed", str(SEED), redis_url=redis_url
+    )
     assert started["status"] == "interrupted" and started["workflow_version"] == first["version"]
     assert started["state"] == first["at_interrupt"]
     assert [i["value"] for i in started["interrupt"]] == first["interrupt"]

@@ -1,4 +1,4 @@
-"""The README's "Write your own workflow" example, run exactly as written (one block, real model and Redis)."""
+"""The README's "Write your own workflow" example, run exactly as written (real model and Redis)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def example_code() -> str:
     return blocks[0]
 
 
-def test_readme_workflow_example_runs(engine, redis_url: str, monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_workflow_example_runs(
+    engine, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The example calls Engine.load(); the suite loads the model once per session, so hand it that engine.
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
     monkeypatch.setenv("REDIS_URL", redis_url)

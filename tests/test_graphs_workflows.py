@@ -13,7 +13,14 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 from pydantic import BaseModel
 
-from elesium.graphs import InputValidationError, Registry, UnknownWorkflowError, Workflow, WorkflowRunner, derive_seed
+from elesium.graphs import (
+    InputValidationError,
+    Registry,
+    UnknownWorkflowError,
+    Workflow,
+    WorkflowRunner,
+    derive_seed,
+)
 from elesium.graphs.llm import WorkflowState
 from elesium.graphs.runner import RunStateError
 from elesium.graphs.workflows import expense_approval, incident_summary, ticket_triage
@@ -21,9 +28,11 @@ from elesium.state import RunRegistry, RunStatus
 
 pytest_plugins = ["state_fixtures"]
 
-TICKET = {"subject": "Login page returns HTTP 502",
-          "body": "Since 09:10 UTC none of our 40 agents can log in; the login page returns HTTP 502. Order 88412.",
-          "customer": "Acme Corp"}
+TICKET = {
+    "subject": "Login page returns HTTP 502",
+    "body": "Since 09:10 UTC none of our 40 agents can log in; the login page returns HTTP 502. Order 88412.",
+    "customer": "Acme Corp",
+}
 
 
 def keys_under(runner: WorkflowRunner, prefix: str) -> list[bytes]:
@@ -42,8 +51,14 @@ def triage(engine, redis_url: str) -> dict[str, Any]:
         runner.resume(started.run_id, {"reply": "no decision"})
     still = runner.runs.get(started.run_id)
     finished = runner.resume(started.run_id, {"approved": True, "reply": "We are on it. -- Support"})
-    return {"runner": runner, "started": started, "record": at_interrupt, "checkpoint": checkpoint,
-            "after_bad_resume": still, "finished": finished}
+    return {
+        "runner": runner,
+        "started": started,
+        "record": at_interrupt,
+        "checkpoint": checkpoint,
+        "after_bad_resume": still,
+        "finished": finished,
+    }
 
 
 def test_triage_stops_for_approval_with_a_routed_draft(triage: dict[str, Any]) -> None:
@@ -60,27 +75,43 @@ def test_triage_stops_for_approval_with_a_routed_draft(triage: dict[str, Any]) -
     assert fields.product and fields.problem
     assert state["draft"].strip() and state["greeting"] == "Acme Corp"
     (interrupt,) = started.interrupt
-    assert interrupt["value"]["draft"] == state["draft"] and interrupt["value"]["priority"] == state["priority"]
-    assert state["llm_calls"] == {"classify_category": 1, "classify_priority": 1, "extract": 1, "draft_reply": 1}
+    assert (
+        interrupt["value"]["draft"] == state["draft"] and interrupt["value"]["priority"] == state["priority"]
+    )
+    assert state["llm_calls"] == {
+        "classify_category": 1,
+        "classify_priority": 1,
+        "extract": 1,
+        "draft_reply": 1,
+    }
 
 
 def test_triage_run_record_and_audit_trail(triage: dict[str, Any], engine) -> None:
     runner, started = triage["runner"], triage["started"]
     record = triage["record"]
-    assert record.status == RunStatus.INTERRUPTED and triage["after_bad_resume"].status == RunStatus.INTERRUPTED
-    assert record.workflow == "ticket-triage" and record.workflow_version == runner.registry.get("ticket-triage").version
+    assert (
+        record.status == RunStatus.INTERRUPTED and triage["after_bad_resume"].status == RunStatus.INTERRUPTED
+    )
+    assert (
+        record.workflow == "ticket-triage"
+        and record.workflow_version == runner.registry.get("ticket-triage").version
+    )
     assert record.input == TICKET and record.seeds == {"run": 5} and record.tenant == "default"
     assert record.engine["model_sha256"] == engine.weights_info.sha256
     assert record.engine["device"] == "cpu" and record.engine["dtype"] == "float32"
     calls = [e for e in runner.log.read(started.run_id) if e.kind == "call"]
     assert [(e.node_id, e.call_index) for e in calls] == [
-        ("classify_category", 0), ("classify_priority", 0), ("extract", 0), ("draft_reply", 0)]
+        ("classify_category", 0),
+        ("classify_priority", 0),
+        ("extract", 0),
+        ("draft_reply", 0),
+    ]
     for e in calls:
         assert e.call_seed == derive_seed(5, e.node_id, 0) and e.tokens
         steps = [s for s in runner.log.read(started.run_id) if s.kind == "step" and s.node_id == e.node_id]
         # The call entry's tokens are exactly what the prefill and the steps committed (stop-trimmed).
         committed = [e.record.tokens[0], *[t for s in steps for t in s.record.tokens]]
-        assert list(e.tokens) == committed[:len(e.tokens)]
+        assert list(e.tokens) == committed[: len(e.tokens)]
         assert all(s.call_index == 0 and s.call_seed == e.call_seed for s in steps)
     assert started.acceptance["calls"] == 4 and started.acceptance["nodes"]["extract"]["calls"] == 1
 
@@ -97,18 +128,42 @@ def test_triage_resume_finishes_and_cannot_repeat(triage: dict[str, Any]) -> Non
 
 
 def test_triage_finalise_holds_a_rejected_reply() -> None:
-    assert ticket_triage.finalise({"draft": "d", "approval": {"approved": False, "reply": None}}) == \
-        {"outcome": "held", "final_reply": None}
+    assert ticket_triage.finalise({"draft": "d", "approval": {"approved": False, "reply": None}}) == {
+        "outcome": "held",
+        "final_reply": None,
+    }
 
 
-@pytest.mark.parametrize("claim,decision,reason", [
-    ({"employee": "Dana", "amount": 42.5, "currency": "EUR", "category": "meals",
-      "description": "Team lunch with a client after the quarterly review"}, "approve", "within the meals limit"),
-    ({"employee": "Sam", "amount": 950, "currency": "USD", "category": "meals",
-      "description": "Dinner and wine for the team"}, "reject", "exceeds the meals limit of 75 USD"),
-])
-def test_expense_approval(engine, redis_url: str, key_prefix: str, claim: dict[str, Any], decision: str,
-                          reason: str) -> None:
+@pytest.mark.parametrize(
+    "claim,decision,reason",
+    [
+        (
+            {
+                "employee": "Dana",
+                "amount": 42.5,
+                "currency": "EUR",
+                "category": "meals",
+                "description": "Team lunch with a client after the quarterly review",
+            },
+            "approve",
+            "within the meals limit",
+        ),
+        (
+            {
+                "employee": "Sam",
+                "amount": 950,
+                "currency": "USD",
+                "category": "meals",
+                "description": "Dinner and wine for the team",
+            },
+            "reject",
+            "exceeds the meals limit of 75 USD",
+        ),
+    ],
+)
+def test_expense_approval(
+    engine, redis_url: str, key_prefix: str, claim: dict[str, Any], decision: str, reason: str
+) -> None:
     runner = WorkflowRunner(engine, redis_url, prefix=key_prefix)
     result = runner.start("expense-approval", claim, seed=3)
     state = result.state
@@ -124,26 +179,37 @@ def test_expense_approval(engine, redis_url: str, key_prefix: str, claim: dict[s
 
 def test_expense_policy_rules() -> None:
     usd, limit, violations = expense_approval.check_policy(
-        {"amount": 10, "currency": "XYZ", "category": "yachts", "description": "boat"})
+        {"amount": 10, "currency": "XYZ", "category": "yachts", "description": "boat"}
+    )
     assert usd is None and limit is None and len(violations) == 3
     usd, _, violations = expense_approval.check_policy(
-        {"amount": 6000, "currency": "GBP", "category": "equipment", "description": "a new server rack"})
-    assert usd == 7620.0 and violations == ["7620.00 USD is above the 5000 USD cap for this flow; finance must "
-                                            "approve it"]
+        {"amount": 6000, "currency": "GBP", "category": "equipment", "description": "a new server rack"}
+    )
+    assert usd == 7620.0 and violations == [
+        "7620.00 USD is above the 5000 USD cap for this flow; finance must approve it"
+    ]
 
 
 def test_incident_summary(engine, redis_url: str, key_prefix: str) -> None:
-    logs = ("2026-11-30T09:10:01Z INFO request ok\n"
-            "2026-11-30T09:10:02Z ERROR db connection refused (pool exhausted)\n"
-            "2026-11-30T09:10:03Z ERROR db connection refused (pool exhausted)\n"
-            "2026-11-30T09:10:04Z WARN retrying payment, upstream returned 503\n"
-            "2026-11-30T09:10:05Z FATAL payment worker crashed")
+    logs = (
+        "2026-11-30T09:10:01Z INFO request ok\n"
+        "2026-11-30T09:10:02Z ERROR db connection refused (pool exhausted)\n"
+        "2026-11-30T09:10:03Z ERROR db connection refused (pool exhausted)\n"
+        "2026-11-30T09:10:04Z WARN retrying payment, upstream returned 503\n"
+        "2026-11-30T09:10:05Z FATAL payment worker crashed"
+    )
     runner = WorkflowRunner(engine, redis_url, prefix=key_prefix)
     result = runner.start("incident-summary", {"service": "checkout-api", "logs": logs}, seed=1)
     state = result.state
     assert result.status == "succeeded"
-    assert state["signals"] == {"lines": 5, "fatal": 1, "error": 2, "warn": 1, "status_5xx": 1,
-                                "top_error": "db connection refused (pool exhausted)"}
+    assert state["signals"] == {
+        "lines": 5,
+        "fatal": 1,
+        "error": 2,
+        "warn": 1,
+        "status_5xx": 1,
+        "top_error": "db connection refused (pool exhausted)",
+    }
     assert state["summary"].strip() and "\n" not in state["summary"]
     assert state["model_severity"] in incident_summary.SEVERITIES
     assert state["severity"] in ("SEV1", "SEV2")  # a FATAL line: never below SEV2
@@ -155,21 +221,29 @@ def test_incident_summary(engine, redis_url: str, key_prefix: str) -> None:
 
 
 def test_incident_parse_items_drops_degenerate_lists() -> None:
-    assert incident_summary.parse_items("1. Restart the payment worker\n2) 1. 1. 1. 1.\n- check the db pool size") \
-        == ["Restart the payment worker", "check the db pool size"]
+    assert incident_summary.parse_items(
+        "1. Restart the payment worker\n2) 1. 1. 1. 1.\n- check the db pool size"
+    ) == ["Restart the payment worker", "check the db pool size"]
 
 
 # ---------------------------------------------------------------- bad input: nothing written
-@pytest.mark.parametrize("workflow,payload,message", [
-    ("ticket-triage", {"subject": "x"}, "field 'body': Field required"),
-    ("ticket-triage", {"subject": "x", "body": 3}, "field 'body': Input should be a valid string"),
-    ("ticket-triage", {"subject": "x", "body": "y", "priority": "P1"}, "field 'priority': Extra inputs"),
-    ("expense-approval", {"employee": "a", "amount": "12", "currency": "USD", "category": "meals",
-                          "description": "a b c"}, "field 'amount': Input should be a valid number"),
-    ("incident-summary", ["service", "logs"], "must be a JSON object"),
-])
-def test_bad_input_writes_nothing(engine, redis_url: str, key_prefix: str, workflow: str, payload: Any,
-                                  message: str) -> None:
+@pytest.mark.parametrize(
+    "workflow,payload,message",
+    [
+        ("ticket-triage", {"subject": "x"}, "field 'body': Field required"),
+        ("ticket-triage", {"subject": "x", "body": 3}, "field 'body': Input should be a valid string"),
+        ("ticket-triage", {"subject": "x", "body": "y", "priority": "P1"}, "field 'priority': Extra inputs"),
+        (
+            "expense-approval",
+            {"employee": "a", "amount": "12", "currency": "USD", "category": "meals", "description": "a b c"},
+            "field 'amount': Input should be a valid number",
+        ),
+        ("incident-summary", ["service", "logs"], "must be a JSON object"),
+    ],
+)
+def test_bad_input_writes_nothing(
+    engine, redis_url: str, key_prefix: str, workflow: str, payload: Any, message: str
+) -> None:
     runner = WorkflowRunner(engine, redis_url, prefix=key_prefix)
     with pytest.raises(InputValidationError) as err:
         runner.start(workflow, payload, run_id="bad-run")

@@ -17,8 +17,11 @@ from elesium.commands.run import parse_json_arg, print_result, token_printer
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("resume", help="continue a run stopped at an interrupt")
     p.add_argument("run_id")
-    p.add_argument("--value", required=True, help="the interrupt's answer as JSON (or @FILE), e.g. "
-                   "'{\"approved\": true}'")
+    p.add_argument(
+        "--value",
+        required=True,
+        help="the interrupt's answer as JSON (or @FILE), e.g. '{\"approved\": true}'",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with the final state")
     add_model_args(p)
     add_state_args(p)
@@ -32,11 +35,15 @@ def run(args: argparse.Namespace) -> int:
 
     value = parse_json_arg(args.value, "--value")
     # Check the run before loading the model: a wrong id or state should fail in a second.
-    record = RunRegistry.from_url(default_url(settings_from_args(args)), prefix="elesium:runs").get(args.run_id)
+    record = RunRegistry.from_url(default_url(settings_from_args(args)), prefix="elesium:runs").get(
+        args.run_id
+    )
     if record is None:
         raise CliError(f"no run {args.run_id!r} in the registry")
     if record.status != RunStatus.INTERRUPTED:
-        raise RunStateError(f"run {args.run_id!r} is {record.status.value}; only an interrupted run can be resumed")
+        raise RunStateError(
+            f"run {args.run_id!r} is {record.status.value}; only an interrupted run can be resumed"
+        )
     try:
         workflow = default_registry().get(record.workflow, record.workflow_version)
     except UnknownWorkflowError as exc:

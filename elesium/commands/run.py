@@ -20,13 +20,22 @@ from elesium.commands.common import add_model_args, load_engine
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a workflow (see `elesium workflows`) on the local state server")
     p.add_argument("workflow", help="workflow name")
-    p.add_argument("--input", required=True, help="the input as a JSON object, or @FILE to read it from a file")
+    p.add_argument(
+        "--input", required=True, help="the input as a JSON object, or @FILE to read it from a file"
+    )
     p.add_argument("--seed", type=int, default=None, help="run seed (default: random, recorded with the run)")
     p.add_argument("--version", default=None, help="a registered version of the workflow (default: latest)")
-    p.add_argument("--mode", choices=["vanilla", "speculative", "medusa", "typical"], default=None,
-                   help="decode mode for LLM nodes that do not pin one (default: the engine's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: final state, run id, version, "
-                   "acceptance summary")
+    p.add_argument(
+        "--mode",
+        choices=["vanilla", "speculative", "medusa", "typical"],
+        default=None,
+        help="decode mode for LLM nodes that do not pin one (default: the engine's)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: final state, run id, version, acceptance summary",
+    )
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -41,7 +50,9 @@ def parse_json_arg(text: str, flag: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CliError(f"{flag} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise CliError(
+            f"{flag} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
 
 
 def print_result(result: Any, as_json: bool) -> int:
@@ -49,17 +60,26 @@ def print_result(result: Any, as_json: bool) -> int:
     if as_json:
         print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False, default=str))
     else:
-        print(f"\nrun {result.run_id}: {result.workflow} {result.workflow_version} {result.status}", file=sys.stderr)
+        print(
+            f"\nrun {result.run_id}: {result.workflow} {result.workflow_version} {result.status}",
+            file=sys.stderr,
+        )
         for key, value in result.state.items():
             if key != "llm_calls":
                 print(f"{key}: {json.dumps(value, ensure_ascii=False)}")
         acc = result.acceptance
-        print(f"acceptance: {acc.get('calls', 0)} LLM calls, {acc.get('tokens', 0)} tokens, "
-              f"{acc.get('steps', 0)} steps, tau {acc.get('tau', 0.0)}", file=sys.stderr)
+        print(
+            f"acceptance: {acc.get('calls', 0)} LLM calls, {acc.get('tokens', 0)} tokens, "
+            f"{acc.get('steps', 0)} steps, tau {acc.get('tau', 0.0)}",
+            file=sys.stderr,
+        )
     if result.status == "interrupted":
         payload = json.dumps([i["value"] for i in result.interrupt or []], ensure_ascii=False, default=str)
-        print(f"run {result.run_id} stopped at an interrupt, waiting for: {payload}\n"
-              f"continue it with: elesium resume {result.run_id} --value JSON", file=sys.stderr)
+        print(
+            f"run {result.run_id} stopped at an interrupt, waiting for: {payload}\n"
+            f"continue it with: elesium resume {result.run_id} --value JSON",
+            file=sys.stderr,
+        )
     if result.status == "failed":
         print(f"elesium: error: run {result.run_id} failed: {result.error}", file=sys.stderr)
         return 1
@@ -94,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
         workflow = default_registry().get(args.workflow, args.version)
     except UnknownWorkflowError as exc:
         raise CliError(str(exc)) from None
-    validate(workflow.input_model, payload, f"invalid input for workflow {workflow.name!r}")  # before any write
+    validate(
+        workflow.input_model, payload, f"invalid input for workflow {workflow.name!r}"
+    )  # before any write
     engine = load_engine(args)
     runner = WorkflowRunner(engine, mode=args.mode)
     result = runner.start(workflow, payload, seed=args.seed, on_event=token_printer(args.json))

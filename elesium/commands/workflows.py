@@ -31,6 +31,8 @@ def input_line(model: type) -> str:
     required = set(schema.get("required", []))
     parts = []
     for name, prop in schema.get("properties", {}).items():
-        kind = prop.get("type") or "|".join(p.get("type", "?") for p in prop.get("anyOf", []) if p.get("type") != "null")
+        kind = prop.get("type") or "|".join(
+            p.get("type", "?") for p in prop.get("anyOf", []) if p.get("type") != "null"
+        )
         parts.append(f"{name}: {kind}{'' if name in required else '?'}")
     return ", ".join(parts)

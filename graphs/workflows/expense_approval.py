@@ -18,8 +18,15 @@ from elesium.graphs.llm import WorkflowState, llm_node
 from elesium.graphs.registry import Workflow
 
 USD_PER_UNIT = {"USD": 1.0, "EUR": 1.08, "GBP": 1.27, "CHF": 1.13, "CAD": 0.73, "AUD": 0.66, "JPY": 0.0067}
-LIMITS_USD = {"meals": 75.0, "travel": 1500.0, "lodging": 400.0, "software": 500.0, "equipment": 2000.0,
-              "training": 1000.0, "office": 300.0}
+LIMITS_USD = {
+    "meals": 75.0,
+    "travel": 1500.0,
+    "lodging": 400.0,
+    "software": 500.0,
+    "equipment": 2000.0,
+    "training": 1000.0,
+    "office": 300.0,
+}
 HARD_CAP_USD = 5000.0
 ALCOHOL = ("beer", "wine", "bar tab", "alcohol", "cocktail", "whisky", "vodka", "champagne")
 MIN_DESCRIPTION_WORDS = 3
@@ -60,17 +67,25 @@ def check_policy(claim: dict[str, Any]) -> tuple[float | None, float | None, lis
     amount_usd = round(float(claim["amount"]) * rate, 2) if rate is not None else None
     limit = LIMITS_USD.get(category)
     if rate is None:
-        violations.append(f"currency {currency} is not reimbursable (accepted: {', '.join(sorted(USD_PER_UNIT))})")
+        violations.append(
+            f"currency {currency} is not reimbursable (accepted: {', '.join(sorted(USD_PER_UNIT))})"
+        )
     if limit is None:
-        violations.append(f"category {category!r} is not in the policy (allowed: {', '.join(sorted(LIMITS_USD))})")
+        violations.append(
+            f"category {category!r} is not in the policy (allowed: {', '.join(sorted(LIMITS_USD))})"
+        )
     if amount_usd is not None and amount_usd > HARD_CAP_USD:
-        violations.append(f"{amount_usd:.2f} USD is above the {HARD_CAP_USD:.0f} USD cap for this flow; "
-                          "finance must approve it")
+        violations.append(
+            f"{amount_usd:.2f} USD is above the {HARD_CAP_USD:.0f} USD cap for this flow; "
+            "finance must approve it"
+        )
     elif amount_usd is not None and limit is not None and amount_usd > limit:
         violations.append(f"{amount_usd:.2f} USD exceeds the {category} limit of {limit:.0f} USD")
     description = str(claim["description"]).lower()
     if len(description.split()) < MIN_DESCRIPTION_WORDS:
-        violations.append(f"the description needs at least {MIN_DESCRIPTION_WORDS} words to justify the expense")
+        violations.append(
+            f"the description needs at least {MIN_DESCRIPTION_WORDS} words to justify the expense"
+        )
     if category == "meals" and any(word in description for word in ALCOHOL):
         violations.append("alcohol is not reimbursable")
     return amount_usd, limit, violations
@@ -79,8 +94,12 @@ def check_policy(claim: dict[str, Any]) -> tuple[float | None, float | None, lis
 def policy(state: ExpenseState) -> dict[str, Any]:
     """The rule gate: the decision is made here, before the model is asked anything."""
     amount_usd, limit, violations = check_policy(dict(state))
-    return {"amount_usd": amount_usd, "limit_usd": limit, "violations": violations,
-            "decision": "reject" if violations else "approve"}
+    return {
+        "amount_usd": amount_usd,
+        "limit_usd": limit,
+        "violations": violations,
+        "decision": "reject" if violations else "approve",
+    }
 
 
 def next_after_policy(state: ExpenseState) -> str:
@@ -89,19 +108,31 @@ def next_after_policy(state: ExpenseState) -> str:
 
 CLAIM = "Expense claim by {employee}: {amount} {currency} for {category}: {description}\n"
 explain_approval = llm_node(
-    "explain_approval", output_key="rationale", params={"max_tokens": 40, "stop": ["\n"]},
+    "explain_approval",
+    output_key="rationale",
+    params={"max_tokens": 40, "stop": ["\n"]},
     prompt=CLAIM + "It is within the {category} limit of {limit_usd} USD and is approved. "
-                   "Explain the approval in one sentence.")
+    "Explain the approval in one sentence.",
+)
 explain_rejection = llm_node(
-    "explain_rejection", output_key="rationale", params={"max_tokens": 40, "stop": ["\n"]},
-    prompt=lambda s: CLAIM.format(**s) + "The policy rejects it: " + "; ".join(s["violations"])
-    + ". Write one sentence to {employee} explaining why the claim is rejected.".format(**s))
+    "explain_rejection",
+    output_key="rationale",
+    params={"max_tokens": 40, "stop": ["\n"]},
+    prompt=lambda s: (
+        CLAIM.format(**s)
+        + "The policy rejects it: "
+        + "; ".join(s["violations"])
+        + ". Write one sentence to {employee} explaining why the claim is rejected.".format(**s)
+    ),
+)
 
 
 def finalise(state: ExpenseState) -> dict[str, Any]:
     if state["decision"] == "approve":
-        within = (f"{state['amount_usd']:.2f} USD is within the {state['category'].strip().lower()} limit of "
-                  f"{state['limit_usd']:.0f} USD")
+        within = (
+            f"{state['amount_usd']:.2f} USD is within the {state['category'].strip().lower()} limit of "
+            f"{state['limit_usd']:.0f} USD"
+        )
         reasons = [within, "the description justifies the expense"]
     else:
         reasons = list(state["violations"])
@@ -123,6 +154,10 @@ def build() -> StateGraph:
 
 
 def workflow() -> Workflow:
-    return Workflow.define("expense-approval", build, ExpenseInput,
-                           description="Check an expense claim against the policy rules and explain the "
-                                       "approve/reject decision.")
+    return Workflow.define(
+        "expense-approval",
+        build,
+        ExpenseInput,
+        description="Check an expense claim against the policy rules and explain the "
+        "approve/reject decision.",
+    )

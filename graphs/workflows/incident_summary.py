@@ -60,10 +60,16 @@ def log_signals(logs: str) -> dict[str, Any]:
         levels[level] += 1
         status_5xx += len(_STATUS_5XX.findall(line)) if level != "INFO" or "HTTP" in line.upper() else 0
         if level in ("ERROR", "FATAL"):
-            errors[_NOISE.sub("", line[m.end():] if m else line).strip(" :-")[:80]] += 1
+            errors[_NOISE.sub("", line[m.end() :] if m else line).strip(" :-")[:80]] += 1
     top = errors.most_common(1)[0][0] if errors else ""
-    return {"lines": len(lines), "fatal": levels["FATAL"], "error": levels["ERROR"], "warn": levels["WARN"],
-            "status_5xx": status_5xx, "top_error": top}
+    return {
+        "lines": len(lines),
+        "fatal": levels["FATAL"],
+        "error": levels["ERROR"],
+        "warn": levels["WARN"],
+        "status_5xx": status_5xx,
+        "top_error": top,
+    }
 
 
 def severity_floor(signals: dict[str, Any]) -> str:
@@ -84,16 +90,30 @@ def gather(state: IncidentState) -> dict[str, Any]:
     return {"signals": log_signals(logs), "excerpt": excerpt}
 
 
-EVIDENCE = ("Logs from {service} ({signals[fatal]} fatal, {signals[error]} errors, {signals[warn]} warnings, "
-            "{signals[status_5xx]} HTTP 5xx):\n{excerpt}\n\n")
-summarise = llm_node("summarise", output_key="summary", params={"max_tokens": 40, "stop": ["\n"]},
-                     prompt=EVIDENCE + "Summarise the problem in one sentence.")
+EVIDENCE = (
+    "Logs from {service} ({signals[fatal]} fatal, {signals[error]} errors, {signals[warn]} warnings, "
+    "{signals[status_5xx]} HTTP 5xx):\n{excerpt}\n\n"
+)
+summarise = llm_node(
+    "summarise",
+    output_key="summary",
+    params={"max_tokens": 40, "stop": ["\n"]},
+    prompt=EVIDENCE + "Summarise the problem in one sentence.",
+)
 classify_severity = llm_node(
-    "classify_severity", output_key="model_severity", output=list(SEVERITIES), params={"max_tokens": 8},
-    prompt="Incident on {service}: {summary}\nSeverity: SEV1 total outage, SEV2 major, SEV3 minor, SEV4 none?")
-propose_actions = llm_node("propose_actions", output_key="raw_actions", params={"max_tokens": 40},
-                           prompt="Incident on {service}: {summary}\nWhat should the engineers do next? "
-                                  "Answer in one sentence.")
+    "classify_severity",
+    output_key="model_severity",
+    output=list(SEVERITIES),
+    params={"max_tokens": 8},
+    prompt="Incident on {service}: {summary}\n"
+    "Severity: SEV1 total outage, SEV2 major, SEV3 minor, SEV4 none?",
+)
+propose_actions = llm_node(
+    "propose_actions",
+    output_key="raw_actions",
+    params={"max_tokens": 40},
+    prompt="Incident on {service}: {summary}\nWhat should the engineers do next? Answer in one sentence.",
+)
 
 
 def assess(state: IncidentState) -> dict[str, Any]:
@@ -146,5 +166,9 @@ def build() -> StateGraph:
 
 
 def workflow() -> Workflow:
-    return Workflow.define("incident-summary", build, IncidentInput,
-                           description="Summarise a service's logs, rate the severity and list action items.")
+    return Workflow.define(
+        "incident-summary",
+        build,
+        IncidentInput,
+        description="Summarise a service's logs, rate the severity and list action items.",
+    )

@@ -23,10 +23,26 @@ from elesium.graphs.registry import Workflow
 
 CATEGORIES = ("billing", "outage", "access", "bug", "other")
 PRIORITIES = ("P1", "P2", "P3", "P4")
-TEAMS = {"billing": "billing", "outage": "on-call SRE", "access": "identity", "bug": "engineering",
-         "other": "customer support"}
-URGENT_WORDS = ("down", "outage", "502", "503", "500", "cannot log in", "can't log in", "nobody can", "all users",
-                "urgent", "data loss")
+TEAMS = {
+    "billing": "billing",
+    "outage": "on-call SRE",
+    "access": "identity",
+    "bug": "engineering",
+    "other": "customer support",
+}
+URGENT_WORDS = (
+    "down",
+    "outage",
+    "502",
+    "503",
+    "500",
+    "cannot log in",
+    "can't log in",
+    "nobody can",
+    "all users",
+    "urgent",
+    "data loss",
+)
 
 
 class TicketInput(BaseModel):
@@ -78,18 +94,33 @@ class TriageState(WorkflowState, total=False):
 TICKET = "Support ticket\nSubject: {subject}\n{body}\n\n"
 
 classify_category = llm_node(
-    "classify_category", output_key="category", output=list(CATEGORIES), params={"max_tokens": 8},
-    prompt=TICKET + "Category: billing, outage, access, bug or other?")
+    "classify_category",
+    output_key="category",
+    output=list(CATEGORIES),
+    params={"max_tokens": 8},
+    prompt=TICKET + "Category: billing, outage, access, bug or other?",
+)
 classify_priority = llm_node(
-    "classify_priority", output_key="model_priority", output=list(PRIORITIES), params={"max_tokens": 8},
-    prompt=TICKET + "Priority: P1 service down, P2 broken feature, P3 question, P4 feedback?")
+    "classify_priority",
+    output_key="model_priority",
+    output=list(PRIORITIES),
+    params={"max_tokens": 8},
+    prompt=TICKET + "Priority: P1 service down, P2 broken feature, P3 question, P4 feedback?",
+)
 extract = llm_node(
-    "extract", output_key="fields", output=TicketFields, params={"max_tokens": 64},
-    prompt=TICKET + "Name the product and the problem.")
+    "extract",
+    output_key="fields",
+    output=TicketFields,
+    params={"max_tokens": 64},
+    prompt=TICKET + "Name the product and the problem.",
+)
 draft_reply = llm_node(
-    "draft_reply", output_key="draft", params={"max_tokens": 40, "temperature": 0.6, "top_p": 0.9},
-    prompt="Write a short polite reply to {greeting} about the ticket \"{subject}\". "
-           "Say that our {team} team is working on it.")
+    "draft_reply",
+    output_key="draft",
+    params={"max_tokens": 40, "temperature": 0.6, "top_p": 0.9},
+    prompt='Write a short polite reply to {greeting} about the ticket "{subject}". '
+    "Say that our {team} team is working on it.",
+)
 
 
 def references(text: str) -> dict[str, list[str]]:
@@ -116,8 +147,12 @@ def route(state: TriageState) -> dict[str, Any]:
     text = f"{state['subject']}\n{state['body']}"
     floor = priority_floor(state["category"], text)
     priority = min(state["model_priority"], floor, key=PRIORITIES.index)
-    return {"references": references(text), "priority": priority, "team": TEAMS[state["category"]],
-            "escalated": priority == "P1"}
+    return {
+        "references": references(text),
+        "priority": priority,
+        "team": TEAMS[state["category"]],
+        "escalated": priority == "P1",
+    }
 
 
 def next_after_route(state: TriageState) -> str:
@@ -137,8 +172,15 @@ def prepare_greeting(state: TriageState) -> dict[str, Any]:
 
 def approval(state: TriageState) -> dict[str, Any]:
     """Stop for a human: the draft only goes out once someone approves (or edits) it."""
-    answer = interrupt({"question": "Send this reply?", "draft": state["draft"], "category": state["category"],
-                        "priority": state["priority"], "team": state["team"]})
+    answer = interrupt(
+        {
+            "question": "Send this reply?",
+            "draft": state["draft"],
+            "category": state["category"],
+            "priority": state["priority"],
+            "team": state["team"],
+        }
+    )
     return {"approval": Approval.model_validate(answer).model_dump(mode="json")}
 
 
@@ -172,6 +214,11 @@ def build() -> StateGraph:
 
 
 def workflow() -> Workflow:
-    return Workflow.define("ticket-triage", build, TicketInput, resume_model=Approval,
-                           description="Classify a support ticket, extract its fields, route it, draft a reply "
-                                       "and hold it for human approval.")
+    return Workflow.define(
+        "ticket-triage",
+        build,
+        TicketInput,
+        resume_model=Approval,
+        description="Classify a support ticket, extract its fields, route it, draft a reply "
+        "and hold it for human approval.",
+    )
