@@ -311,3 +311,16 @@ def test_call_index_counts_in_the_state_and_seeds_sampled_calls(
     assert first == again  # same run seed: same seeds, same sampled tokens
     assert [s for _, _, s, _ in other] != [s for _, _, s, _ in first]
     assert [t for *_, t in other] != [t for *_, t in first]  # temperature 1: other seeds, other tokens
+
+
+async def test_tokens_stream_under_astream_too(engine) -> None:
+    """Async callers (the API) get the same token chunks from the sync LLM node."""
+    graph = echo_builder(max_tokens=4).compile()
+    chunks = [
+        message.content
+        async for message, _ in graph.astream(
+            {"topic": "dogs"}, run_config(engine, run_seed=2, run_id="a1"), stream_mode="messages"
+        )
+    ]
+    final = await graph.ainvoke({"topic": "dogs"}, run_config(engine, run_seed=2, run_id="a2"))
+    assert len(chunks) >= 2 and "".join(chunks) == final["answer"]
