@@ -65,6 +65,30 @@ def submit(runner: Any, queue: RunQueue, workflow: Any, input: Any, *, seed: int
     return queue.enqueue(run_id, payload, idempotency_key=idempotency_key, timeout_s=timeout_s)
 
 
+class LeaseBoundEngine:
+    """The engine as a run's LLM nodes see it: every stream it opens is closed when the lease aborts
+    (cancel, timeout, lease lost), so a long call stops after its current decode step instead of
+    running to the end of the node. Everything else is the engine's own."""
+
+    def __init__(self, engine: Any, lease: Lease) -> None:
+        self._engine = engine
+        self._lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        stream = self._engine.stream(*args, **kwargs)
+        self._lease.on_abort(stream.close)
+        return stream
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        stream = self.stream(*args, **kwargs)
+        for _chunk in stream:
+            pass
+        return stream.result
+
+
 class WorkflowExecutor:
     """Executes queued workflow runs (C6) with a :class:`~elesium.graphs.runner.WorkflowRunner`'s
     engine, registry and run records, on the lease's fenced saver and acceptance log."""
@@ -93,11 +117,15 @@ class WorkflowExecutor:
             runs.update_status(run_id, RunStatus.RUNNING)
         graph = wf.build(lease.saver(prefix=f"{self.prefix}:cp"))
         log = lease.acceptance_log(prefix=f"{self.prefix}:acc", retention=Retention(maxlen=None))
-        config = run_config(self.runner.engine, run_seed=record.seeds["run"], run_id=run_id,
-                            thread_id=record.thread_id or run_id, tenant=record.tenant, log=log, mode=mode,
-                            workflow=wf.name)
+        config = run_config(LeaseBoundEngine(self.runner.engine, lease), run_seed=record.seeds["run"],
+                            run_id=run_id, thread_id=record.thread_id or run_id, tenant=record.tenant,
+                            log=log, mode=mode, workflow=wf.name)
         try:
-            outcome = drive(graph, lease, record.input, config)
+            try:
+                outcome = drive(graph, lease, record.input, config)
+            except Exception:
+                lease.check()  # a stream closed by a cancel/timeout/lost lease: raise the real reason
+                raise
         except RunCancelledError:
             runs.update_status(run_id, RunStatus.CANCELLED)
             raise

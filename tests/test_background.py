@@ -5,6 +5,8 @@ The real engine and the real ``expense-approval`` workflow (one LLM call), a rea
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -62,3 +64,44 @@ def test_queued_run_equals_a_direct_run(setup: tuple[WorkflowRunner, RunQueue, s
     assert queued_state["rationale"] == direct.state["rationale"] and queued_state["decision"] == "approve"
     queued_calls = [c[1:] for c in call_tokens(runner.log, first.run_id)]
     assert queued_calls and queued_calls == [c[1:] for c in call_tokens(runner.log, direct.run_id)]
+
+
+class _SlowEngine:
+    """The real engine, 0.2 s slower per decode step, so a cancel surely lands inside the LLM call."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.decoding = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def stream(self, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
+        inner = kwargs.pop("on_step", None)
+
+        def on_step(record: Any) -> None:
+            self.decoding.set()
+            time.sleep(0.2)
+            if inner is not None:
+                inner(record)
+
+        return self._engine.stream(prompt, params, on_step=on_step, **kwargs)
+
+
+def test_cancel_stops_the_llm_call(engine: Any, state_server: Any) -> None:
+    prefix = f"bg-{uuid.uuid4().hex[:8]}"
+    slow = _SlowEngine(engine)
+    runner = WorkflowRunner(slow, state_server.url, prefix=prefix)
+    queue = RunQueue.from_url(state_server.url, prefix=f"{prefix}:q", lease_ttl_ms=1000)
+    worker = QueueWorker(queue, WorkflowExecutor(runner, prefix=prefix), block_ms=100).start()
+    try:
+        run = submit(runner, queue, "expense-approval", CLAIM, seed=11)
+        assert slow.decoding.wait(120)
+        assert queue.cancel(run.run_id) == "cancelling"
+        state = queue.wait(run.run_id, timeout_s=120)
+    finally:
+        worker.stop(5)
+    assert state.status == "cancelled", state
+    assert runner.runs.get(run.run_id).status == RunStatus.CANCELLED
+    latest = runner.saver.get_tuple({"configurable": {"thread_id": run.run_id}})
+    assert "rationale" not in latest.checkpoint["channel_values"]  # the call never completed
