@@ -569,7 +569,8 @@ def main() -> None:
     g = result.get("graph", {})
     if "graph_replay_ms" in g:
         log(
-            f"graph 9/3/64 N=64 P=32768: replay {g['graph_replay_ms'] * 1e3:.1f} us, eager {g['eager_ms'] * 1e3:.1f} us, "
+            f"graph 9/3/64 N=64 P=32768: replay {g['graph_replay_ms'] * 1e3:.1f} us, "
+            f"eager {g['eager_ms'] * 1e3:.1f} us, "
             f"replays ok={g['ok']} {[round(x['rel_err'], 5) for x in g['replays']]}"
         )
     log(f"total wall {result['total_wall_s']:.0f}s; json: {json_path}")

@@ -33,8 +33,8 @@ from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.model import Transformer
 from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.training.distill import build_prompts, distill, generate_all
-from elesium.inference.training.train_config import TrainConfig
 from elesium.inference.training.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
+from elesium.inference.training.train_config import TrainConfig
 
 Log = Callable[[str], None]
 

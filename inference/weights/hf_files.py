@@ -32,7 +32,8 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def write_hf_dir(path: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+def write_hf_dir(path: Path, config: ModelConfig, state: dict[str, torch.Tensor],
+                 tokenizer: Tokenizer) -> None:
     """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}

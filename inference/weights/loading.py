@@ -66,9 +66,11 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     if not path.exists():
         raise ModelNotFoundError(f"model not found: {path} (expected a .gguf file or an HF directory)")
     if path.is_file() and path.suffix != ".gguf":
-        raise ModelNotFoundError(f"{path} is not a .gguf file; pass a GGUF file or an HF safetensors directory")
+        raise ModelNotFoundError(f"{path} is not a .gguf file; pass a GGUF file or an HF "
+                                 "safetensors directory")
     if path.is_dir() and not (path / "config.json").exists():
-        raise ModelNotFoundError(f"{path} has no config.json; pass a GGUF file or an HF safetensors directory")
+        raise ModelNotFoundError(f"{path} has no config.json; pass a GGUF file or an HF "
+                                 "safetensors directory")
     return path
 
 
@@ -114,7 +116,8 @@ def load_weights(model: str | os.PathLike[str] | None = None, cache_dir: Path | 
     return LoadedWeights(config, state, tokenizer, path, sha)
 
 
-def _write_cache_entry(entry: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+def _write_cache_entry(entry: Path, config: ModelConfig, state: dict[str, torch.Tensor],
+                       tokenizer: Tokenizer) -> None:
     """Write into a temp dir, then rename: a crash mid-write never leaves a half cache entry."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))

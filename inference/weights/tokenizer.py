@@ -87,7 +87,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         # The template writes its own BOS/markers; adding another BOS would double it.
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_bos=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt),
+                           add_bos=False)
 
     # -- serialisation (for the weight cache) -------------------------------------------------
     def to_json(self) -> str:
@@ -137,7 +138,8 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer:
         backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), vocab,
                                      bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     else:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; expected 'gpt2' (BPE) or 'llama' (SentencePiece)")
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; expected 'gpt2' (BPE) or "
+                         "'llama' (SentencePiece)")
     # Control (3) and user-defined (4) tokens must match atomically inside templated text.
     specials = [AddedToken(tok, special=(t == 3), normalized=False)
                 for tok, t in zip(tokens, types) if t in (3, 4)]
@@ -216,7 +218,8 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     bos = tok_id(cfg.get("bos_token"))
     eos_ids = _end_of_turn_ids(backend, tok_id(cfg.get("eos_token")))
     gen_eos = gen.get("eos_token_id")
-    eos_ids = sorted(set(eos_ids) | set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []))
+    extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+    eos_ids = sorted(set(eos_ids) | set(extra))
     return Tokenizer(backend, bos_id=bos, eos_ids=eos_ids, chat_template=template,
                      add_bos=bool(cfg.get("add_bos_token", False)))
 
