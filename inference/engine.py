@@ -126,8 +126,8 @@ class Engine:
         self.policy = policy or TreePolicy()
         self.cache = model.new_cache(max_len)
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, heads, buckets=TREE_BUCKETS) if use_graphs
-                                      else ForwardRunner(model, self.cache, heads))
+        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, heads, buckets=TREE_BUCKETS)
+                                      if use_graphs else ForwardRunner(model, self.cache, heads))
         self._gate = FifoGate()  # owned by one generation at a time, FIFO (generation_stream.py)
 
     @property
@@ -302,7 +302,8 @@ class Engine:
                      constraint: Constraint | None = None) -> Decoder:
         mode = normalize_mode(mode)  # "medusa" still names the speculative mode
         # Constrained output: a fresh grammar state per generation, which the decoder advances.
-        grammar = None if constraint is None else constraint.start(self.tokenizer, self.model.config.vocab_size)
+        vocab = self.model.config.vocab_size
+        grammar = None if constraint is None else constraint.start(self.tokenizer, vocab)
         if mode == "vanilla":
             return VanillaDecoder(self.runner, params, sampler, grammar)
         if mode in ("speculative", "typical"):
@@ -310,8 +311,8 @@ class Engine:
                 raise ModeUnavailableError(self._no_heads_message(mode))
             # A fresh policy per generation: online adaptation must not carry over between runs, or a
             # seeded sampled run would not replay to the same tokens.
-            return TreeDecoder(self.runner, self.heads, params, sampler, dataclasses.replace(self.policy), mode,
-                               grammar)
+            policy = dataclasses.replace(self.policy)
+            return TreeDecoder(self.runner, self.heads, params, sampler, policy, mode, grammar)
         raise AssertionError(f"normalize_mode let {mode!r} through")
 
     def stream(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,

@@ -85,8 +85,8 @@ def test_engine_default_mode_is_the_profile_s(engine):
         engine.speculate = speculate
     fp = engine.fingerprint("medusa")
     assert fp["mode"] == "speculative" and fp["heads_sha256"] == engine.heads.source_sha256
-    assert set(fp) == {"model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device", "mode",
-                       "attention"}
+    assert set(fp) == {"model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device",
+                       "mode", "attention"}
 
 
 def test_eval_heads_with_heads_none_is_an_error(capsys, tmp_path):
@@ -132,7 +132,8 @@ def test_user_errors_are_one_line(capsys):
     from elesium.inference.engine import PromptTooLongError
 
     for exc in (CliError("bad flag\nmore"), PromptTooLongError("prompt is 9,000 tokens"),
-                HeadsMismatchError("heads were trained for another model"), FileNotFoundError("no such file: x")):
+                HeadsMismatchError("heads were trained for another model"),
+                FileNotFoundError("no such file: x")):
         def handler(_args, exc=exc):
             raise exc
 

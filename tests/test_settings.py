@@ -74,7 +74,8 @@ def test_flags_reach_settings_and_win_over_env(env):
     assert settings.appendfsync == "always" and settings.model == "/env/model.gguf"  # not flagged: env
 
 
-@pytest.mark.parametrize("var, value", [("ELESIUM_APPENDFSYNC", "sometimes"), ("ELESIUM_TREE_ATTENTION", "cuda")])
+@pytest.mark.parametrize("var, value", [("ELESIUM_APPENDFSYNC", "sometimes"),
+                                        ("ELESIUM_TREE_ATTENTION", "cuda")])
 def test_bad_values_are_user_errors_naming_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(SettingsError, match=var) as info:

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                             seed=args.seed)
     engine = load_engine(args, cuda_graphs=False if args.no_cuda_graphs else None)
     if not args.vanilla_only and mode not in engine.modes:
-        raise CliError(f"mode {mode!r} needs draft heads, and none are loaded for this model; use --vanilla-only")
+        raise CliError(f"mode {mode!r} needs draft heads, and none are loaded for this model; "
+                       "use --vanilla-only")
 
     def progress(i: int, row: dict) -> None:
         extra = f" speedup {row['speedup']:.2f}x tau {row['mean_accepted']:.2f}" if "speedup" in row else ""

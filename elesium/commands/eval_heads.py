@@ -1,4 +1,5 @@
-"""``elesium eval-heads``: each draft head (Medusa or Hydra)'s top-1/top-5 against the base model's greedy continuation."""
+"""``elesium eval-heads``: each draft head (Medusa or Hydra)'s top-1/top-5 against the base model's
+greedy continuation."""
 
 from __future__ import annotations
 
@@ -17,23 +18,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL with a 'prompt' field, or MT-Bench's 'turns' (first turn used)")
     p.add_argument("--max-tokens", type=int, default=256, help="greedy continuation length per prompt")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per batched forward")
-    p.add_argument("--json", action="store_true", help='print {"heads": [{"head", "top1", "top5"}...], "tokens"}')
+    p.add_argument("--json", action="store_true",
+                   help='print {"heads": [{"head", "top1", "top5"}...], "tokens"}')
     add_model_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from elesium.cli import CliError
-    from elesium.inference.training.head_training import score_prompts
     from elesium.inference.drafters.files import load_heads
+    from elesium.inference.training.head_training import score_prompts
 
     if args.max_tokens < 2:
-        raise CliError(f"--max-tokens must be >= 2 (a head needs a token past the next one), got {args.max_tokens}")
+        raise CliError(f"--max-tokens must be >= 2 (a head needs a token past the next one), "
+                       f"got {args.max_tokens}")
     if args.batch_size < 1:
         raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.heads == "none":
-        raise CliError("--heads none leaves nothing to score; give a heads directory, or omit --heads for the "
-                       "shipped heads")
+        raise CliError("--heads none leaves nothing to score; give a heads directory, or omit --heads "
+                       "for the shipped heads")
     prompts = read_prompt_file(args.prompts)
     engine = load_engine(args, heads=None)  # the heads are loaded below, where a mismatch must raise
     heads = load_heads(args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
@@ -49,5 +52,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{h['head']:>4}  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}{label}")
     if "mlp_head1" in result:
         h = result["mlp_head1"]
-        print(f"   1  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}  (Hydra MLP head 1, not used for drafting)")
+        print(f"   1  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}  "
+              "(Hydra MLP head 1, not used for drafting)")
     return 0

@@ -25,12 +25,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "The defaults are the shipped heads' recipe (HEADS.md).")
     p.add_argument("--out", type=Path, default=d.out, help="output directory (default: heads-out)")
     p.add_argument("--data", type=Path, default=d.data,
-                   help="distillation JSONL(.gz) from an earlier run (default: generate, save to OUT/distill.jsonl.gz)")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="prompts to generate when --data is not given")
+                   help="distillation JSONL(.gz) from an earlier run "
+                   "(default: generate, save to OUT/distill.jsonl.gz)")
+    p.add_argument("--prompts", type=int, default=d.prompts,
+                   help="prompts to generate when --data is not given")
     p.add_argument("--distill-only", action="store_true",
                    help="stop once OUT/distill.jsonl.gz is written; the same command without this flag then "
                    "trains on it (lets a time-limited machine split the recipe)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap while distilling")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="answer length cap while distilling")
     p.add_argument("--temperatures", type=float, nargs="+", default=list(d.temperatures),
                    help="one answer per prompt at each temperature (0 = greedy)")
     p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="sequences per batched forward")
@@ -39,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", choices=["medusa", "hydra"], default=d.kind,
                    help="hydra: heads that also read the embeddings of the tokens drafted before them")
     p.add_argument("--conditioning", choices=["concat", "chain"], default=d.conditioning,
-                   help="hydra only: concat (Hydra's: every earlier embedding) or chain (the previous head's output)")
+                   help="hydra only: concat (Hydra's: every earlier embedding) or chain "
+                   "(the previous head's output)")
     p.add_argument("--loss", choices=["kl", "ce"], default=d.loss,
                    help="kl: to the base model's distribution; ce: to the token in the data")
     p.add_argument("--decay", type=float, default=d.decay, help="head k's loss weight is DECAY**k")
@@ -51,20 +55,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    p.add_argument("--time-budget", type=float, default=d.time_budget_s, help="stop training after this many seconds")
+    p.add_argument("--time-budget", type=float, default=d.time_budget_s,
+                   help="stop training after this many seconds")
     p.add_argument("--eval-prompts", type=Path, default=d.eval_prompts,
                    help="JSONL (prompt / MT-Bench turns) to score the finished heads on")
     p.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens)
     p.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default=d.save_dtype)
     p.add_argument("--storage", choices=["float", "int8", "int4", "mixed"], default=d.storage,
-                   help="weight matrices on disk: float (--save-dtype), int8 (per row), int4 (per 32 inputs) or "
-                   "mixed (int8 for Hydra's skip matrices, int4 for the rest); the final evaluation scores the "
-                   "weights as stored")
+                   help="weight matrices on disk: float (--save-dtype), int8 (per row), int4 (per 32 inputs) "
+                   "or mixed (int8 for Hydra's skip matrices, int4 for the rest); the final evaluation "
+                   "scores the weights as stored")
     p.add_argument("--drafter", choices=["attention", "none"], default=d.drafter,
                    help="attention: also train an EAGLE-style attention drafter for the first draft level "
                    "(hydra heads only; HEADS.md); none: the heads alone")
     p.add_argument("--drafter-steps", type=int, default=d.drafter_steps)
-    p.add_argument("--drafter-batch", type=int, default=d.drafter_batch, help="whole sequences per drafter step")
+    p.add_argument("--drafter-batch", type=int, default=d.drafter_batch,
+                   help="whole sequences per drafter step")
     p.add_argument("--drafter-lr", type=float, default=d.drafter_lr)
     p.add_argument("--drafter-intermediate", type=int, default=d.drafter_intermediate,
                    help="the drafter layer's MLP width (default: the base model's)")
@@ -83,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.drafter_intermediate is not None and args.drafter_intermediate < 1:
         raise CliError(f"--drafter-intermediate must be >= 1, got {args.drafter_intermediate}")
     if args.drafter != "none" and args.kind != "hydra":
-        raise CliError("--drafter attention drafts level 1 for hydra heads; add --drafter none for --kind medusa")
+        raise CliError("--drafter attention drafts level 1 for hydra heads; "
+                       "add --drafter none for --kind medusa")
     if args.data is not None and not args.data.exists():
         raise FileNotFoundError(f"--data file not found: {args.data}")
     if args.eval_prompts is not None and not args.eval_prompts.exists():
@@ -91,12 +98,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         out=args.out, data=args.data, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(args.temperatures), gen_batch=args.gen_batch, num_heads=args.num_heads,
-        num_layers=args.num_layers, kind=args.kind, conditioning=args.conditioning, loss=args.loss, decay=args.decay, steps=args.steps, batch_size=args.batch_size,
-        lr=args.lr, warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
+        num_layers=args.num_layers, kind=args.kind, conditioning=args.conditioning, loss=args.loss,
+        decay=args.decay, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        warmup=min(args.warmup, args.steps), eval_every=args.eval_every, ckpt_every=args.ckpt_every,
         seed=args.seed, resume=args.resume, time_budget_s=args.time_budget, eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, storage=args.storage,
         distill_only=args.distill_only, drafter=args.drafter, drafter_steps=args.drafter_steps,
-        drafter_batch=args.drafter_batch, drafter_lr=args.drafter_lr, drafter_intermediate=args.drafter_intermediate,
+        drafter_batch=args.drafter_batch, drafter_lr=args.drafter_lr,
+        drafter_intermediate=args.drafter_intermediate,
         command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
     engine = load_engine(args)
     train(cfg, engine, log=lambda msg: print(msg, file=sys.stderr, flush=True))

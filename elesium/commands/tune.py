@@ -10,10 +10,13 @@ from elesium.commands.common import add_model_args, load_engine, read_prompt_fil
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tune", help="measure forward cost and head acceptance; choose the tree for this device")
+    p = sub.add_parser("tune",
+                       help="measure forward cost and head acceptance; choose the tree for this device")
     p.add_argument("--prompts", type=Path, default=None,
-                   help="calibration prompts (JSONL 'prompt' or 'turns'); default: 16 from the training templates")
-    p.add_argument("--calibration", type=int, default=16, help="number of template prompts when --prompts is not given")
+                   help="calibration prompts (JSONL 'prompt' or 'turns'); "
+                   "default: 16 from the training templates")
+    p.add_argument("--calibration", type=int, default=16,
+                   help="number of template prompts when --prompts is not given")
     p.add_argument("--out", type=Path, default=None, help="also write the profile here")
     add_model_args(p)
     p.set_defaults(handler=run)
@@ -31,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args, max_len=2048)
     profile = tune(engine, prompts, log=lambda m: print(m, file=sys.stderr, flush=True))
     settings = settings_from_args(args)  # --cache-dir, where the profile is looked up
-    saved = profile.save(profile_path(settings.cache_dir, profile.model_sha256, engine.model.device, engine.model.dtype))
+    saved = profile.save(profile_path(settings.cache_dir, profile.model_sha256, engine.model.device,
+                                      engine.model.dtype))
     print(f"profile saved to {saved}")
     if args.out is not None:
         print(f"profile saved to {profile.save(args.out)}")
