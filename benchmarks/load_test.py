@@ -117,7 +117,19 @@ async def run_load(url: str, runs: int, concurrency: int, workflow: str) -> dict
         wall = time.perf_counter() - t0
         after = metric_sums((await client.get("/metrics")).text)
     lat = [r["latency_s"] for r in results if r["ok"]]
-    delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    delta = {k: round(after[k] - before.get(k, 0.0), 4) for k in after
+             if after[k] != before.get(k, 0.0) and not k.endswith("_created")}
+    done = max(1, len(lat))
+    # The engine runs one generation at a time, so each run's latency is mostly waiting its turn; the
+    # service time per run (wall / runs) is what one run really costs the machine.
+    where = {
+        "service_time_per_run_s": round(wall / done, 3),
+        "queueing_share_of_mean_latency": round(1 - (wall / done) / statistics.fmean(lat), 3) if lat else None,
+        "checkpoint_write_s_per_run": round(delta.get("elesium_checkpoint_write_seconds_sum", 0.0) / done, 4),
+        "checkpoint_writes_per_run": round(delta.get("elesium_checkpoint_write_seconds_count", 0.0) / done, 2),
+        "generated_tokens_per_run": round(delta.get("elesium_generation_tokens_total", 0.0) / done, 1),
+        "prompt_tokens_per_run": round(delta.get("elesium_prompt_tokens_total", 0.0) / done, 1),
+    }
     return {
         "runs": runs, "concurrency": concurrency, "workflow": workflow,
         "errors": sum(1 for r in results if not r["ok"]),
@@ -127,6 +139,7 @@ async def run_load(url: str, runs: int, concurrency: int, workflow: str) -> dict
                       "p99": round(percentile(lat, 99), 3), "min": round(min(lat), 3) if lat else None,
                       "max": round(max(lat), 3) if lat else None,
                       "mean": round(statistics.fmean(lat), 3) if lat else None},
+        "where_the_time_goes": where,
         "server_metric_deltas": delta,
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
     }
