@@ -124,9 +124,12 @@ async def run_load(url: str, runs: int, concurrency: int, workflow: str) -> dict
     # service time per run (wall / runs) is what one run really costs the machine.
     where = {
         "service_time_per_run_s": round(wall / done, 3),
-        "queueing_share_of_mean_latency": round(1 - (wall / done) / statistics.fmean(lat), 3) if lat else None,
-        "checkpoint_write_s_per_run": round(delta.get("elesium_checkpoint_write_seconds_sum", 0.0) / done, 4),
-        "checkpoint_writes_per_run": round(delta.get("elesium_checkpoint_write_seconds_count", 0.0) / done, 2),
+        "queueing_share_of_mean_latency": (round(1 - (wall / done) / statistics.fmean(lat), 3)
+                                           if lat else None),
+        "checkpoint_write_s_per_run": round(delta.get("elesium_checkpoint_write_seconds_sum", 0.0) / done,
+                                            4),
+        "checkpoint_writes_per_run": round(delta.get("elesium_checkpoint_write_seconds_count", 0.0) / done,
+                                           2),
         "generated_tokens_per_run": round(delta.get("elesium_generation_tokens_total", 0.0) / done, 1),
         "prompt_tokens_per_run": round(delta.get("elesium_prompt_tokens_total", 0.0) / done, 1),
     }
