@@ -200,9 +200,9 @@ class Services:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise HTTPException(status_code=422, detail="run seed must be an integer in [0, 2**63)")
         request["stream_mode"] = body.modes
-        mode = configurable.get("mode")
-        if mode is not None:
-            request["mode"] = self.decode_mode(mode)
+        # The effective decode mode is recorded even when the engine chose it: a replay on an engine whose
+        # default differs (another tuning profile) must still decode the same way.
+        request["mode"] = self.decode_mode(configurable.get("mode") or self.engine.default_mode)
         row = RunRow(run_id=str(uuid.uuid4()), thread_id=thread.thread_id, tenant=who.tenant,
                      assistant_id=assistant_id_of(wf), workflow=wf.name, workflow_version=wf.version,
                      metadata=body.metadata or {}, request=request,

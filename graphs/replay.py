@@ -553,7 +553,7 @@ class ReplayRefused(ValueError):
 
 
 def replay_stored_run(*, store: Any, registry: Any, engine: Any, saver: Any, run_id: str, mode: str, by: str,
-                      tenant: str | None = None, fingerprint: Callable[[], dict[str, str]] | None = None
+                      tenant: str | None = None, fingerprint: Callable[[str | None], dict[str, str]] | None = None
                       ) -> ReplayReport:
     """Replay an API run recorded in ``store`` (a :class:`~elesium.state.threads.ThreadStore`) and store the report.
 
@@ -582,7 +582,8 @@ def replay_stored_run(*, store: Any, registry: Any, engine: Any, saver: Any, run
         workflow = registry.get(target.workflow, target.workflow_version)
     except KeyError:
         workflow = registry.get(target.workflow)
-    now = fingerprint() if fingerprint is not None else engine_fingerprint(engine)
+    recorded_mode = target.request.get("mode")
+    now = fingerprint(recorded_mode) if fingerprint is not None else engine_fingerprint(engine, recorded_mode)
     report = replay_thread(workflow=workflow, recorded_version=target.workflow_version, engine=engine, saver=saver,
                            thread_id=target.thread_id, target_run=run_id, ops=ops, runs=runs, mode=mode,
                            fingerprint_recorded=target.fingerprint, fingerprint_now=now, by=by)
