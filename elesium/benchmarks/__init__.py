@@ -1,0 +1,1 @@
+"""Benchmarks behind the `elesium bench-*` commands: measurement code, not library code."""
