@@ -299,7 +299,7 @@ class Engine:
         return chosen
 
     def make_decoder(self, mode: DecodeMode | str, params: SamplingParams, sampler: Sampler, *,
-                     constraint: Constraint | None = None) -> Decoder:
+                     constraint: Constraint | None = None, policy: TreePolicy | None = None) -> Decoder:
         mode = normalize_mode(mode)  # "medusa" still names the speculative mode
         # Constrained output: a fresh grammar state per generation, which the decoder advances.
         vocab = self.model.config.vocab_size
@@ -310,15 +310,16 @@ class Engine:
             if self.heads is None:
                 raise ModeUnavailableError(self._no_heads_message(mode))
             # A fresh policy per generation: online adaptation must not carry over between runs, or a
-            # seeded sampled run would not replay to the same tokens.
-            policy = dataclasses.replace(self.policy)
+            # seeded sampled run would not replay to the same tokens. ``policy``: a caller's own (a
+            # workflow node's calibration) in place of the engine's.
+            policy = dataclasses.replace(self.policy if policy is None else policy)
             return TreeDecoder(self.runner, self.heads, params, sampler, policy, mode, grammar)
         raise AssertionError(f"normalize_mode let {mode!r} through")
 
     def stream(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,
                mode: DecodeMode | str | None = None, raw: bool = False,
                on_step: Callable[[StepRecord], None] | None = None,
-               constraint: Constraint | None = None) -> GenerationStream:
+               constraint: Constraint | None = None, policy: TreePolicy | None = None) -> GenerationStream:
         """Start a generation; iterate the returned stream for chunks, then read ``.result``.
 
         Bad input (empty or too long prompt, a speculative mode without heads) raises here, before
@@ -329,14 +330,15 @@ class Engine:
         chosen = self.resolve_mode(mode)
         ids = self.encode_prompt(prompt, raw=raw)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        return GenerationStream(self, ids, params, chosen, seed, on_step, constraint)
+        return GenerationStream(self, ids, params, chosen, seed, on_step, constraint, policy)
 
     def generate(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,
                  mode: DecodeMode | str | None = None, raw: bool = False,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None, policy: TreePolicy | None = None) -> Generation:
         """Run a generation to the end; waits (FIFO) while another generation holds the engine."""
-        stream = self.stream(prompt, params, mode=mode, raw=raw, on_step=on_step, constraint=constraint)
+        stream = self.stream(prompt, params, mode=mode, raw=raw, on_step=on_step, constraint=constraint,
+                             policy=policy)
         with stream:
             for _ in stream:
                 pass
