@@ -45,7 +45,8 @@ class _Run:
     """The state of one generation: decoder, detokeniser, queued chunks, and the engine's gate."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, mode: DecodeMode,
-                 seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None) -> None:
+                 seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None,
+                 policy: Any = None) -> None:
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.params = params
@@ -53,6 +54,7 @@ class _Run:
         self.seed = seed
         self.on_step = on_step
         self.constraint = constraint
+        self.policy = policy  # a tree policy in place of the engine's (None: the engine's)
         self.state: RunState = "new"
         self.result: Generation | None = None
         # Re-entrant: close() may run from a finaliser on a thread that is already inside next_chunk().
@@ -119,6 +121,8 @@ class _Run:
             self.state = "running"
             self._start = time.perf_counter()
             kwargs: dict[str, Any] = {} if self.constraint is None else {"constraint": self.constraint}
+            if self.policy is not None:
+                kwargs["policy"] = self.policy
             with torch.inference_mode():
                 self._decoder = engine.make_decoder(self.mode, self.params, Sampler(self.seed), **kwargs)
                 first = self._decoder.prefill(self.prompt_ids)
@@ -190,8 +194,9 @@ class GenerationStream:
     """
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, mode: DecodeMode,
-                 seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None) -> None:
-        self._run = _Run(engine, prompt_ids, params, mode, seed, on_step, constraint)
+                 seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None,
+                 policy: Any = None) -> None:
+        self._run = _Run(engine, prompt_ids, params, mode, seed, on_step, constraint, policy)
         finalizer = weakref.finalize(self, self._run.close)
         finalizer.atexit = False
 

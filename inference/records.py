@@ -48,6 +48,10 @@ class StepRecord:
         accepted_by_depth: for depth d = 1..tree_depth, whether a draft at that depth was accepted.
         draft_temperature: temperature of the draft proposal (never affects exactness).
         elapsed_s: wall time of the step, including verification and cache compaction.
+        predicted: accepted drafts the tree policy expected of this tree (dynamic trees; 0 otherwise).
+        calibration: the policy's calibration factor when it built the tree (dynamic trees; 0 otherwise).
+            With ``predicted`` it lets the log re-estimate a node's calibration (predicted / calibration
+            is the heads' own, uncalibrated, prediction).
     """
 
     step: int
@@ -60,6 +64,8 @@ class StepRecord:
     accepted_by_depth: tuple[bool, ...] = field(default=())
     draft_temperature: float = 0.0
     elapsed_s: float = 0.0
+    predicted: float = 0.0
+    calibration: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -80,6 +86,8 @@ class StepRecord:
             accepted_by_depth=tuple(bool(x) for x in d.get("accepted_by_depth", ())),
             draft_temperature=float(d.get("draft_temperature", 0.0)),
             elapsed_s=float(d.get("elapsed_s", 0.0)),
+            predicted=float(d.get("predicted", 0.0)),
+            calibration=float(d.get("calibration", 0.0)),
         )
 
 

@@ -114,6 +114,7 @@ class TreeDecoder:
         """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
         start = time.perf_counter()
         draft_temperature = self.policy.draft_temperature
+        calibration = self.policy.calibration if self.policy.kind == "dynamic" else 0.0
         drafts = self.draft()
         if self.grammar is not None:
             drafts = ConstrainedDrafts(drafts, self.grammar)
@@ -152,7 +153,8 @@ class TreeDecoder:
             step=self.steps, mode=self.mode, tree_size=tree.size, tree_depth=tree.depth,
             accepted_length=len(committed), accepted_nodes=tuple(path), tokens=tuple(committed),
             accepted_by_depth=tuple(d <= accepted_depth for d in range(1, tree.depth + 1)),
-            draft_temperature=draft_temperature, elapsed_s=time.perf_counter() - start)
+            draft_temperature=draft_temperature, elapsed_s=time.perf_counter() - start,
+            predicted=round(self.policy.predicted, 6), calibration=round(calibration, 6))
         self.policy.observe(record)
         self.steps += 1
         return committed, record

@@ -80,6 +80,11 @@ class TreePolicy:
     def max_tree_size(self) -> int:
         return self._static.size if self._static is not None else self.max_nodes
 
+    @property
+    def predicted(self) -> float:
+        """Accepted drafts expected of the last tree built (dynamic trees; 0.0 for static ones)."""
+        return self._predicted if self._static is None else 0.0
+
     def draft_topk(self) -> int:
         from elesium.inference.runtime.forward import DRAFT_TOPK
 
