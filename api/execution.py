@@ -202,7 +202,12 @@ class Services:
         request["stream_mode"] = body.modes
         # The effective decode mode is recorded even when the engine chose it: a replay on an engine whose
         # default differs (another tuning profile) must still decode the same way.
-        request["mode"] = self.decode_mode(configurable.get("mode") or self.engine.default_mode)
+        # A resume or fork without a mode continues in the thread's mode.
+        requested = configurable.get("mode")
+        if requested is None and "input" not in request:
+            previous = self.store.list_runs(thread.thread_id, thread.tenant, limit=1)
+            requested = previous[0].request.get("mode") if previous else None
+        request["mode"] = self.decode_mode(requested or self.engine.default_mode)
         row = RunRow(run_id=str(uuid.uuid4()), thread_id=thread.thread_id, tenant=who.tenant,
                      assistant_id=assistant_id_of(wf), workflow=wf.name, workflow_version=wf.version,
                      metadata=body.metadata or {}, request=request,

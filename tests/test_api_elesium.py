@@ -33,7 +33,10 @@ def http(api_server):
 def approval_thread(client):
     """An approval run interrupted, resumed, then edited and forked: four runs and a state update."""
     tid = client.threads.create()["thread_id"]
-    client.runs.wait(tid, "approval", input={"topic": "bread"}, config={"configurable": {"run_seed": 5}})
+    # Speculative decoding where heads are loaded (the replay must reproduce the tree's tokens too);
+    # the later runs name no mode and inherit the thread's.
+    client.runs.wait(tid, "approval", input={"topic": "bread"},
+                     config={"configurable": {"run_seed": 5, "mode": "speculative"}})
     client.runs.wait(tid, "approval", command={"resume": {"approved": True}})
     history = client.threads.get_history(tid, limit=20)
     at_approval = next(h for h in history if h["next"] == ["approve"])
@@ -43,6 +46,7 @@ def approval_thread(client):
     client.runs.wait(tid, "approval", command={"resume": {"approved": False}})
     runs = list(reversed(client.runs.list(tid, limit=10)))  # oldest first
     assert [r["status"] for r in runs] == ["interrupted", "success", "interrupted", "success"]
+    assert len({r["kwargs"]["mode"] for r in runs}) == 1 and runs[0]["kwargs"]["mode"] in ("speculative", "medusa")
     return tid, runs
 
 
