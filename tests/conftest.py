@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import json
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+from helpers import MT_BENCH
 
 
 @pytest.fixture(scope="session")
@@ -25,9 +23,24 @@ def weights(engine):
 
 @pytest.fixture(scope="session")
 def mt_bench_prompts() -> list[str]:
-    import json
+    """MT-Bench's first turns, from the copy vendored in tests/data (a missing file is a failure, not a
+    skip)."""
+    if not MT_BENCH.exists():
+        pytest.fail(f"MT-Bench prompts not found at {MT_BENCH}; they ship with the repository "
+                    f"(tests/data/README.md)")
+    return [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
 
-    path = Path(os.environ.get("ELESIUM_MT_BENCH", MT_BENCH))
-    if not path.exists():
-        pytest.skip(f"MT-Bench prompts not found at {path}")
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+
+@pytest.fixture
+def restored_engine(engine):
+    """The session engine for a test that swaps its heads, tree policy or default: all put back afterwards,
+    so later tests see the engine exactly as ``Engine.load`` built it."""
+    heads, policy, speculate = engine.heads, engine.policy, engine.speculate
+    drafter = None if heads is None else heads.drafter
+    yield engine
+    if heads is not None and heads.drafter is not drafter:
+        heads.drafter = drafter
+        engine.heads = heads  # re-arm the runner (the drafter's cache) for the restored drafter
+    elif engine.heads is not heads:
+        engine.heads = heads
+    engine.policy, engine.speculate = policy, speculate

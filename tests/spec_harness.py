@@ -8,38 +8,50 @@ the next tokens computed by brute force through the same ``target_probs`` vanill
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 import torch
 from torch import nn
 
+from elesium.inference.decoding.speculative import TreeDecoder
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.hydra import Conditioning, HydraHeads
+from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.runtime.config import ModelConfig
 from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.model import Transformer
 from elesium.inference.sampling import Sampler, SamplingParams, target_probs
-from elesium.inference.decoding.speculative import MedusaDecoder
-from elesium.inference.decoding.tree_policy import TreePolicy
+from helpers import tiny_model as shared_tiny_model
 
 VOCAB = 8
 
 
 class RandomHeads(nn.Module):
-    """Random residual heads: deliberately imperfect drafts, so both accept and reject paths run."""
+    """Random residual heads: deliberately imperfect drafts, so both accept and reject paths run.
+
+    Medusa-shaped (``drafters.protocol.FactoredHeads``): drafts read the hidden state alone.
+    """
+
+    conditioned: Literal[False] = False
+    drafter: FeatureDrafter | None = None
+    source_sha256: str = ""
 
     def __init__(self, hidden: int, num_heads: int, seed: int) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.num_heads = num_heads
-        self.weights = nn.Parameter(torch.randn(num_heads, hidden, hidden, generator=g) * 0.5, requires_grad=False)
+        self.weights = nn.Parameter(torch.randn(num_heads, hidden, hidden, generator=g) * 0.5,
+                                    requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.stack([hidden + torch.nn.functional.silu(hidden @ w.T) for w in self.weights])
 
 
-def random_hydra_heads(hidden: int, num_heads: int, seed: int, conditioning: str = "concat") -> nn.Module:
+def random_hydra_heads(hidden: int, num_heads: int, seed: int,
+                       conditioning: Conditioning = "concat") -> HydraHeads:
     """Hydra heads with random weights: drafts depend on the path, and are often wrong."""
-    from elesium.inference.drafters.hydra import HydraHeads
-
-    heads = HydraHeads(hidden, num_heads, 1, conditioning)  # type: ignore[arg-type]
+    heads = HydraHeads(hidden, num_heads, 1, conditioning)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -47,23 +59,20 @@ def random_hydra_heads(hidden: int, num_heads: int, seed: int, conditioning: str
     return heads.eval().requires_grad_(False)
 
 
-def with_random_drafter(heads: nn.Module, config: ModelConfig, seed: int) -> nn.Module:
+def with_random_drafter(heads: HydraHeads, config: ModelConfig, seed: int) -> HydraHeads:
     """Attach an attention drafter with random weights: level-1 drafts from attention over the past."""
-    from elesium.inference.drafters.attention_drafter import FeatureDrafter
-
     torch.manual_seed(seed)
-    heads.drafter = FeatureDrafter.for_model(config).eval().requires_grad_(False)  # type: ignore[assignment]
+    heads.drafter = FeatureDrafter.for_model(config).eval().requires_grad_(False)
     return heads
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                         num_kv_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
-    # One layer at default init: entropy between one-hot and uniform at T = 0.5..1.5, so top-p
-    # trims and drafts are accepted often enough to exercise both branches of verification.
-    model = Transformer(config).eval().requires_grad_(False)
-    return model
+    """The shared tiny model with an 8-token vocabulary, one layer and untied embeddings.
+
+    One layer at default init: entropy between one-hot and uniform at T = 0.5..1.5, so top-p trims and
+    drafts are accepted often enough to exercise both branches of verification.
+    """
+    return shared_tiny_model(seed, vocab=VOCAB, num_layers=1, max_positions=64, tie_word_embeddings=False)
 
 
 @torch.inference_mode()
@@ -82,15 +91,16 @@ def exact_joint(model: Transformer, prefix: list[int], first: int, params: Sampl
 
 
 @torch.inference_mode()
-def speculative_samples(model: Transformer, heads: nn.Module, policy: TreePolicy, prefix: list[int], first: int,
-                        params: SamplingParams, n: int, samples: int, seed: int, mode: str = "medusa") -> dict:
-    """Counts of the next ``n`` tokens the Medusa decoder commits after ``prefix + [first]``."""
+def speculative_samples(model: Transformer, heads: DraftHeads, policy: TreePolicy, prefix: list[int],
+                        first: int, params: SamplingParams, n: int, samples: int, seed: int,
+                        mode: str = "speculative") -> dict:
+    """Counts of the next ``n`` tokens the tree decoder commits after ``prefix + [first]``."""
     cache = model.new_cache(len(prefix) + 4 * policy.max_tree_size + n + 8)
     # The runner owns only a drafter's heads (it keeps the drafter's cache); others are passed per step,
     # so the step forward does not fuse Medusa drafts (top-10 of an 8-token vocabulary).
-    runner = ForwardRunner(model, cache, heads if getattr(heads, "drafter", None) is not None else None)
+    runner = ForwardRunner(model, cache, heads if heads.drafter is not None else None)
     sampler = Sampler(seed)
-    base = MedusaDecoder(runner, heads, params, sampler, policy, mode)
+    base = TreeDecoder(runner, heads, params, sampler, policy, mode)
     base.prefill(prefix)
     snapshot = (cache.k.clone(), cache.v.clone(), base.hidden.clone())
     drafter = [t.clone() for t in runner.drafter_cache or ()]
@@ -100,7 +110,7 @@ def speculative_samples(model: Transformer, heads: nn.Module, policy: TreePolicy
         cache.v.copy_(snapshot[1])
         for live, saved in zip(runner.drafter_cache or (), drafter):
             live.copy_(saved)
-        dec = MedusaDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode)
+        dec = TreeDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode)
         dec.offset, dec.pending, dec.hidden = len(prefix), first, snapshot[2]
         if base.rows is not None:  # path-conditioned heads draft from the rows, which end in ``first``
             dec.rows, dec.row_tokens, dec.row_start = base.rows, [first], base.row_start

@@ -73,7 +73,8 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         f'dir "{data}"\nsave ""\nappendonly no\n'
     )
     with open(data / "valkey.log", "ab") as log:
-        proc = subprocess.Popen([str(server_binary()), str(conf)], cwd=data, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(server_binary()), str(conf)], cwd=data, stdout=log,
+                                stderr=subprocess.STDOUT)
         try:
             client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
             deadline = time.monotonic() + 10

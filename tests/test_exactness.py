@@ -12,11 +12,18 @@ import pytest
 import torch
 
 from elesium.inference.decoding import verify as verify_mod
-from elesium.inference.sampling import SamplingParams, sample_from, target_probs
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.verify import Verdict
-from spec_harness import (RandomHeads, chi_square_p, exact_joint, random_hydra_heads, speculative_samples,
-                          tiny_model, with_random_drafter)
+from elesium.inference.sampling import SamplingParams, sample_from, target_probs
+from spec_harness import (
+    RandomHeads,
+    chi_square_p,
+    exact_joint,
+    random_hydra_heads,
+    speculative_samples,
+    tiny_model,
+    with_random_drafter,
+)
 
 SAMPLES = 20_000
 PREFIX, FIRST = [1, 2, 3], 4
@@ -39,7 +46,8 @@ def tiny():
 
 
 def assert_samples_exact(model, heads, policy, temperature: float, seed: int, label: str) -> None:
-    """SAMPLES speculative two-token continuations must fit the base model's exact joint (chi-square p > 0.01)."""
+    """SAMPLES speculative two-token continuations must fit the base model's exact joint (chi-square p >
+    0.01)."""
     params = SamplingParams(temperature=temperature, top_p=0.9)
     expected = exact_joint(model, PREFIX, FIRST, params, 2)
     counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=seed)
@@ -52,7 +60,8 @@ def assert_samples_exact(model, heads, policy, temperature: float, seed: int, la
 @pytest.mark.parametrize("policy", [STATIC, DYNAMIC], ids=["static", "dynamic"])
 def test_speculative_sampling_is_exact(tiny, temperature, policy):
     model, heads = tiny
-    assert_samples_exact(model, heads, policy, temperature, seed=7, label=f"exact {policy.kind} T={temperature}")
+    assert_samples_exact(model, heads, policy, temperature, seed=7,
+                         label=f"exact {policy.kind} T={temperature}")
 
 
 @pytest.mark.parametrize(("temperature", "policy", "conditioning"),
@@ -104,7 +113,8 @@ def test_typical_acceptance_is_not_exact(tiny):
     model, heads = tiny
     params = SamplingParams(temperature=1.0, top_p=0.9)
     expected = exact_joint(model, PREFIX, FIRST, params, 2)
-    counts = speculative_samples(model, heads, STATIC, PREFIX, FIRST, params, 2, SAMPLES, seed=7, mode="typical")
+    counts = speculative_samples(model, heads, STATIC, PREFIX, FIRST, params, 2, SAMPLES, seed=7,
+                                 mode="typical")
     p = chi_square_p(counts, expected, SAMPLES)
     print(f"typical acceptance chi-square p = {p:.3e}")
     assert p < 0.01

@@ -1,4 +1,5 @@
-"""The attention drafter (level 1 for Hydra heads): its two paths, the engine's use of it, storage, training."""
+"""The attention drafter (level 1 for Hydra heads): its two paths, the engine's use of it, storage,
+training."""
 
 from __future__ import annotations
 
@@ -9,19 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from elesium.inference.training.distill import write_jsonl
-from elesium.inference.training.drafter_training import drafter_logits, drafter_loss, padded
-from elesium.inference.drafters.attention_drafter import FeatureDrafter
-from elesium.inference.runtime.forward import ForwardRunner, draft_tree
-from elesium.inference.training.head_training import TrainConfig, train
-from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
-from elesium.inference.drafters.hydra import HydraHeads
-from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.decoding.speculative import MedusaDecoder
+from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.vanilla import VanillaDecoder
-
-from test_heads import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
+from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
+from elesium.inference.drafters.hydra import HydraHeads
+from elesium.inference.prompts import write_jsonl
+from elesium.inference.runtime.forward import ForwardRunner, draft_tree
+from elesium.inference.sampling import Sampler, SamplingParams
+from elesium.inference.training.drafter_training import drafter_logits, drafter_loss, padded
+from elesium.inference.training.head_training import TrainConfig, train
+from helpers import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
 
 
 def random_setup(seed: int = 0) -> tuple:
@@ -49,11 +49,13 @@ def test_cached_path_matches_sequence_path():
     k, v = drafter.new_cache(16, "cpu", torch.float32)
     pieces, lo = [], 0
     for n in (5, 1, 7):  # prompt chunk, one decode row, a step's accepted rows
-        pieces.append(drafter(model, hidden[:1, lo:lo + n], tokens[:1, lo:lo + n], torch.arange(lo, lo + n), k, v,
+        pieces.append(drafter(model, hidden[:1, lo:lo + n], tokens[:1, lo:lo + n], torch.arange(lo, lo + n),
+                              k, v,
                               lo, model.causal(n)))
         lo += n
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole[:1], rtol=1e-5, atol=1e-5)
-    assert not torch.equal(whole[:, 5], drafter.sequence(model, hidden[:, 5:6], tokens[:, 5:6])[:, 0])  # it attends
+    # it attends
+    assert not torch.equal(whole[:, 5], drafter.sequence(model, hidden[:, 5:6], tokens[:, 5:6])[:, 0])
 
 
 @torch.no_grad()
@@ -99,7 +101,8 @@ def test_drafter_replaces_level_one_only():
 
 @torch.inference_mode(False)
 @pytest.mark.parametrize("policy", [TreePolicy(kind="dynamic", max_nodes=12, topk=3),
-                                    TreePolicy(kind="static", static_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))],
+                                    TreePolicy(kind="static",
+                                               static_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))],
                          ids=["dynamic", "static"])
 def test_greedy_with_drafter_equals_vanilla(policy):
     """Greedy decoding with drafter-led trees commits exactly vanilla's tokens, across prompt chunks."""
@@ -126,7 +129,8 @@ def test_greedy_with_drafter_equals_vanilla(policy):
     old_chunk = fwd.PREFILL_CHUNK
     fwd.PREFILL_CHUNK = 4  # the prompt reaches the drafter in several chunks
     try:
-        dec = MedusaDecoder(ForwardRunner(model, model.new_cache(128), heads), heads, params, Sampler(0), policy)
+        dec = TreeDecoder(ForwardRunner(model, model.new_cache(128), heads), heads, params, Sampler(0),
+                          policy)
         got = [dec.prefill(prompt)]
         accepted = []
         while len(got) < 60:
@@ -151,7 +155,8 @@ def test_save_load_round_trip_with_drafter(tmp_path: Path):
         torch.testing.assert_close(loaded.drafter.state_dict()[name], value, rtol=0, atol=0)
     quantised = load_heads(tmp_path / "q", base_sha256=SHA)
     assert quantised.drafter is not None and quantised.drafter.fc.weight.dtype == torch.float32
-    assert (tmp_path / "q" / "drafter.safetensors").stat().st_size < 0.5 * (tmp_path / "f" / "drafter.safetensors").stat().st_size
+    size = {d: (tmp_path / d / "drafter.safetensors").stat().st_size for d in ("q", "f")}
+    assert size["q"] < 0.5 * size["f"]
     # The profile key covers the drafter too.
     heads.drafter = None
     save_heads(heads, tmp_path / "plain", {"base_model": {"sha256": SHA}})
@@ -182,7 +187,8 @@ def test_drafter_training_lowers_the_loss():
         with torch.no_grad():
             student, hidden = drafter_logits(drafter, model, tokens)
             agree = student.argmax(-1) == model.logits(hidden[:, 1:-1]).argmax(-1)
-            return float(drafter_loss(drafter, model, tokens, valid)), float(agree[valid[:, 2:]].float().mean())
+            return float(drafter_loss(drafter, model, tokens,
+                                      valid)), float(agree[valid[:, 2:]].float().mean())
 
     before, agree_before = measure()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
@@ -197,17 +203,21 @@ def test_drafter_training_lowers_the_loss():
 
 
 def test_train_heads_with_drafter_resumes_and_ships(tmp_path: Path):
-    """train() with a drafter: a resumed run equals an uninterrupted one; the manifest scores the stored drafter."""
+    """train() with a drafter: a resumed run equals an uninterrupted one; the manifest scores the stored
+    drafter."""
     engine = tiny_engine(tiny_model())
     data = write_jsonl(tmp_path / "data.jsonl", cycle_records())
 
     def cfg(out: Path, steps: int, resume: bool = False, **kw) -> TrainConfig:
-        return TrainConfig(out=out, data=data, steps=4, batch_size=32, lr=1e-2, warmup=2, eval_every=3, ckpt_every=3,
+        return TrainConfig(out=out, data=data, steps=4, batch_size=32, lr=1e-2, warmup=2, eval_every=3,
+                           ckpt_every=3,
                            num_heads=2, kind="hydra", conditioning="chain", loss="kl", resume=resume,
                            save_dtype="float32", command="test", drafter="attention", drafter_steps=steps,
                            drafter_batch=4, drafter_lr=1e-2, val_fraction=0.25, **kw)
 
-    quiet = lambda _msg: None
+    def quiet(_msg: str) -> None:
+        pass
+
     straight = train(cfg(tmp_path / "a", 6), engine, log=quiet)
     train(cfg(tmp_path / "b", 3), engine, log=quiet)
     train(cfg(tmp_path / "b", 6, resume=True), engine, log=quiet)

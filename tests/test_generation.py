@@ -40,7 +40,8 @@ def test_sample_from_follows_the_distribution():
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(max_tokens=0),
                                     dict(top_k=-1)])
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(ValueError):
@@ -61,7 +62,8 @@ def test_stream_chunks_add_up_and_stop_strings_cut(engine):
     params = SamplingParams(max_tokens=40)
     full = engine.generate("Count from 1 to 20, separated by commas.", params, mode="vanilla")
     assert "5" in full.text
-    stream = engine.stream("Count from 1 to 20, separated by commas.", SamplingParams(max_tokens=40, stop=("5",)),
+    stream = engine.stream("Count from 1 to 20, separated by commas.",
+                           SamplingParams(max_tokens=40, stop=("5",)),
                            mode="vanilla")
     chunks = list(stream)
     result = stream.result

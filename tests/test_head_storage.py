@@ -5,19 +5,24 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from elesium.inference.drafters import storage as hs
-from elesium.inference.training.distill import write_jsonl
-from elesium.inference.training.head_training import TrainConfig, cache_hidden_states, evaluate, train
-from elesium.inference.drafters.files import build_heads, load_heads, read_manifest, save_heads
+from elesium.inference.drafters.files import (
+    MANIFEST_FORMAT,
+    build_heads,
+    load_heads,
+    read_manifest,
+    save_heads,
+)
 from elesium.inference.drafters.hydra import HydraHeads
 from elesium.inference.drafters.medusa import MedusaHeads
-from test_heads import SHA, cycle_records, tiny_model
+from elesium.inference.prompts import write_jsonl
+from elesium.inference.training.head_training import TrainConfig, cache_hidden_states, evaluate, train
+from helpers import SHA, cycle_records, tiny_engine, tiny_model
 
 
 def random_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -62,7 +67,8 @@ def test_int4_matches_the_elementwise_reference(seed, group):
     torch.testing.assert_close(back, dequantize_int4_reference(packed, scale), rtol=0, atol=0)
     step = scale.float().repeat_interleave(group, dim=1)
     assert ((back - w).abs() <= step * 0.5 * 1.01).all()
-    # The scale is the smallest that represents each group's largest weight (+-7 steps), so no range is wasted.
+    # The scale is the smallest that represents each group's largest weight (+-7 steps), so no range is
+    # wasted.
     torch.testing.assert_close(scale, (w.view(6, -1, group).abs().amax(2) / 7).half(), rtol=0, atol=0)
     assert torch.isfinite(back).all() and back[1].abs().sum() == 0
 
@@ -107,7 +113,8 @@ def test_encode_keeps_biases_in_float_and_names_its_schemes():
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_quantised_heads_round_trip(tmp_path: Path, scheme, kind):
     torch.manual_seed(0)
-    heads = MedusaHeads(64, num_heads=2) if kind == "medusa" else HydraHeads(64, num_heads=2, conditioning="chain")
+    heads = (MedusaHeads(64, num_heads=2) if kind == "medusa"
+             else HydraHeads(64, num_heads=2, conditioning="chain"))
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -119,7 +126,7 @@ def test_quantised_heads_round_trip(tmp_path: Path, scheme, kind):
     size = {d: (tmp_path / d / "heads.safetensors").stat().st_size for d in ("q", "f")}
     assert size["q"] < {"int8": 0.6, "int4": 0.35, "mixed": 0.5}[scheme] * size["f"]
     with safe_open(str(tmp_path / "q" / "heads.safetensors"), "pt") as f:
-        assert f.metadata()["format"] == "elesium-medusa-heads/1"
+        assert f.metadata()["format"] == MANIFEST_FORMAT == "elesium-draft-heads/1"
     loaded = load_heads(tmp_path / "q", base_sha256=SHA)
     expected = hs.round_trip(heads.state_dict(), scheme, torch.float16)
     for name, value in loaded.state_dict().items():
@@ -131,18 +138,18 @@ def test_train_heads_evaluates_the_weights_it_ships(tmp_path: Path):
     model = tiny_model()
     recs = cycle_records()
     data = write_jsonl(tmp_path / "data.jsonl", recs)
-    engine = SimpleNamespace(model=model, tokenizer=None,
-                             weights_info=SimpleNamespace(sha256=SHA, source=Path("tiny.gguf")))
+    engine = tiny_engine(model)
     cfg = TrainConfig(out=tmp_path / "h", data=data, steps=8, batch_size=32, lr=3e-2, warmup=2, eval_every=4,
-                      ckpt_every=8, num_heads=2, loss="ce", storage="int4", save_dtype="float32", command="test",
-                      val_fraction=0.25)
+                      ckpt_every=8, num_heads=2, loss="ce", storage="int4", save_dtype="float32",
+                      command="test", val_fraction=0.25, kind="medusa", num_layers=1, drafter="none")
     manifest = train(cfg, engine, log=lambda _msg: None)
     assert manifest["heads"]["storage"] == "int4"
     # The held-out split, as train() draws it (by prompt id, seeded).
     ids = sorted({r["id"] for r in recs})
     random.Random(cfg.seed).shuffle(ids)
     held_ids = set(ids[:int(len(ids) * cfg.val_fraction)])
-    held = cache_hidden_states(model, [(r["prompt_ids"], r["response_ids"]) for r in recs if r["id"] in held_ids])
+    held = cache_hidden_states(model, [(r["prompt_ids"],
+                                        r["response_ids"]) for r in recs if r["id"] in held_ids])
     shipped = evaluate(load_heads(tmp_path / "h", base_sha256=SHA), model, held)
     unquantised = build_heads(manifest["heads"])
     unquantised.load_state_dict(torch.load(tmp_path / "h" / "ckpt.pt", weights_only=False)["heads"])

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from elesium.cli import main
-from elesium.inference.training.distill import generate_batch
 from elesium.inference.drafters.files import default_heads_dir, load_heads, save_heads
 from elesium.inference.drafters.hydra import HydraHeads
 from elesium.inference.drafters.medusa import MedusaHeads
+from elesium.inference.training.distill import generate_batch
 
 PROMPTS = ["Summarise: the VPN is down for the whole floor since 9am.",
            "What is 17 + 25?",
-           "Write a haiku about incident reviews and the long night before the fix finally shipped to production."]
+           "Write a haiku about incident reviews and the long night before the fix finally shipped to "
+           "production."]
 
 
 def test_batched_greedy_equals_unbatched(engine):
@@ -32,7 +33,8 @@ def test_batched_greedy_equals_unbatched(engine):
 
 @pytest.mark.parametrize("which", ["default (hydra)", "medusa"])
 def test_shipped_heads_load_and_beat_zero_init(engine, which):
-    directory = None if which.startswith("default") else default_heads_dir().with_name("smollm2-135m-instruct-medusa")
+    medusa = default_heads_dir().with_name("smollm2-135m-instruct-medusa")
+    directory = None if which.startswith("default") else medusa
     heads = load_heads(directory, base_sha256=engine.weights_info.sha256, device="cpu", dtype=torch.float32)
     assert heads.num_heads == 4
     assert isinstance(heads, HydraHeads if which.startswith("default") else MedusaHeads)
@@ -68,7 +70,8 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
 
     monkeypatch.setattr(eval_heads, "load_engine", lambda args, **kwargs: engine)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"turns": [PROMPTS[1], "again"]}) + "\n")
+    rows = [{"prompt": PROMPTS[0]}, {"turns": [PROMPTS[1], "again"]}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert main(["eval-heads", "--prompts", str(prompts), "--max-tokens", "3", "--json", "--device", "cpu",
                  "--dtype", "float32"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -77,7 +80,8 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     assert all(0.0 <= h["top1"] <= h["top5"] <= 1.0 for h in result["heads"])
     assert 2 <= result["tokens"] <= 6 and result["prompts"] == 2
 
-    wrong = save_heads(MedusaHeads(576, num_heads=2), tmp_path / "wrong", {"base_model": {"sha256": "0" * 64}})
+    wrong = save_heads(MedusaHeads(576, num_heads=2), tmp_path / "wrong",
+                       {"base_model": {"sha256": "0" * 64}})
     assert main(["eval-heads", "--prompts", str(prompts), "--heads", str(wrong), "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("elesium: error:") and "0" * 64 in err and engine.weights_info.sha256 in err
@@ -86,7 +90,7 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
 
 
 def test_distill_only_writes_the_data_that_the_same_command_then_trains_on(engine, tmp_path: Path):
-    from elesium.inference.training.distill import read_jsonl
+    from elesium.inference.prompts import read_jsonl
     from elesium.inference.training.head_training import TrainConfig, train
 
     quiet = lambda _msg: None  # noqa: E731

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from elesium.inference.decoding.drafts import ExpandedDrafts, FactoredDrafts, contains
-from elesium.inference.training.head_training import cache_hidden_states
+from elesium.inference.decoding.tree import Tree, restricted, top_paths
 from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
 from elesium.inference.drafters.hydra import HydraHeads
-from elesium.inference.decoding.tree import Tree, restricted, top_paths
-from test_heads import SHA, VOCAB, cycle_records, fit_briefly, tiny_model
+from elesium.inference.training.head_training import cache_hidden_states
+from helpers import SHA, VOCAB, cycle_records, tiny_model
+from test_heads import fit_briefly
 
 CONDITIONINGS = ["concat", "chain"]
 
@@ -74,7 +75,8 @@ def test_expand_matches_teacher_forcing(conditioning, seed):
     for path, (toks, lps) in sorted(drafts.children.items(), key=lambda kv: len(kv[0])):
         seq = [first] + [drafts.token(path[:i + 1]) for i in range(len(path))]
         padded = torch.tensor(seq + [0] * (3 - len(seq)))[None]
-        ref = torch.log_softmax(model.logits(heads.teacher_forced(model, hidden[None], padded)[len(path), 0]), -1)
+        ref = torch.log_softmax(model.logits(heads.teacher_forced(model, hidden[None], padded)[len(path), 0]),
+                                -1)
         top = torch.topk(ref, k)
         assert toks == top.indices.tolist()
         torch.testing.assert_close(torch.tensor(lps), top.values, rtol=1e-5, atol=1e-5)
@@ -88,7 +90,8 @@ def test_expand_matches_teacher_forcing(conditioning, seed):
 
 
 def test_top_paths_over_expanded_drafts_equals_brute_force():
-    children = {(): ([5, 6, 7], [-0.2, -1.0, -2.5]), (0,): ([1, 2], [-0.1, -3.0]), (1,): ([3, 4], [-0.4, -0.5]),
+    children = {(): ([5, 6, 7], [-0.2, -1.0, -2.5]), (0,): ([1, 2], [-0.1, -3.0]),
+                (1,): ([3, 4], [-0.4, -0.5]),
                 (0, 0): ([9], [-0.05])}
     drafts = ExpandedDrafts(children)
     every = [p for p in [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0)] if contains(drafts, p)]
@@ -101,8 +104,10 @@ def test_top_paths_over_expanded_drafts_equals_brute_force():
     static = Tree.from_paths([(0, 0, 0), (2, 0), (1, 1)])
     assert set(restricted(static, drafts).paths) == {(), (0,), (0, 0), (0, 0, 0), (1,), (1, 1), (2,)}
     # Medusa's factored drafts answer the same questions.
-    factored = FactoredDrafts([[1, 2], [3, 4]], [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.1)]])
-    assert factored.num_children((1,)) == 2 and factored.num_children((1, 0)) == 0 and factored.token((1, 0)) == 3
+    factored = FactoredDrafts([[1, 2], [3, 4]],
+                              [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.1)]])
+    assert factored.num_children((1,)) == 2 and factored.num_children((1, 0)) == 0
+    assert factored.token((1, 0)) == 3
 
 
 @pytest.mark.parametrize(("conditioning", "loss"), [("concat", "ce"), ("chain", "ce"), ("concat", "kl")])
@@ -112,7 +117,8 @@ def test_hydra_training_lowers_the_loss(conditioning, loss):
     recs = cycle_records()
     cache = cache_hidden_states(model, [(r["prompt_ids"], r["response_ids"]) for r in recs])
     heads = HydraHeads(32, num_heads=2, conditioning=conditioning)
-    before, after, top1_before, top1_after = fit_briefly(heads, model, cache, loss, lr=1e-2, measure=loss, head=1)
+    before, after, top1_before, top1_after = fit_briefly(heads, model, cache, loss, lr=1e-2, measure=loss,
+                                                         head=1)
     assert after < 0.7 * before
     if loss == "ce":
         assert top1_after > top1_before + 0.2
@@ -125,7 +131,8 @@ def test_hydra_save_load_round_trip(tmp_path):
     assert isinstance(loaded, HydraHeads) and loaded.conditioning == "chain" and loaded.num_layers == 2
     model = tiny_model()
     hidden, path = torch.randn(4, 32), torch.randint(VOCAB, (4, 3))
-    torch.testing.assert_close(loaded.teacher_forced(model, hidden, path), heads.teacher_forced(model, hidden, path),
+    torch.testing.assert_close(loaded.teacher_forced(model, hidden, path),
+                               heads.teacher_forced(model, hidden, path),
                                rtol=0, atol=0)
     assert read_manifest(tmp_path / "h")["heads"]["kind"] == "hydra"
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from elesium.inference.decoding.tree import Tree
+from helpers import node_path
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,10 +63,11 @@ def test_tree_forward_matches_sequential_paths(engine, seed):
     tokens = [rng.randrange(model.config.vocab_size) for _ in range(tree.size)]
     cache = model.new_cache(len(prefix) + tree.size + 8)
     model(torch.tensor([prefix]), torch.arange(len(prefix)), cache, 0)
-    hidden = model(torch.tensor([tokens]), tree.positions(len(prefix)), cache, len(prefix), tree.ancestors())[0]
+    hidden = model(torch.tensor([tokens]), tree.positions(len(prefix)), cache, len(prefix),
+                   tree.ancestors())[0]
     tree_logits = model.logits(hidden)
     for node in range(tree.size):
-        path = tree.path_to(node)
+        path = node_path(tree, node)
         expected = full_logits(model, prefix + [tokens[n] for n in path])[-1]
         assert rel_err(tree_logits[node], expected) < 1e-4, f"node {node} (depth {tree.depths[node]})"
 
@@ -89,9 +91,9 @@ def test_batched_padded_forward_matches_single(engine):
 
 @torch.inference_mode()
 def test_hf_export_round_trip(engine, weights, tmp_path):
+    from elesium.inference.runtime.model import build_model
     from elesium.inference.weights.hf_files import read_hf_dir, write_hf_dir
     from elesium.inference.weights.loading import load_weights
-    from elesium.inference.runtime.model import build_model
 
     write_hf_dir(tmp_path, weights.config, engine.model.hf_state(), weights.tokenizer)
     config, state = read_hf_dir(tmp_path)

@@ -15,14 +15,16 @@ pytest_plugins = ["state_fixtures"]
 def _record(step: int, accepted: tuple[bool, ...], elapsed: float = 0.01) -> StepRecord:
     n = 1 + next((i for i, ok in enumerate(accepted) if not ok), len(accepted))
     return StepRecord(
-        step=step, mode="medusa", tree_size=1 + 2 * len(accepted), tree_depth=len(accepted),
+        step=step, mode="speculative", tree_size=1 + 2 * len(accepted), tree_depth=len(accepted),
         accepted_length=n, accepted_nodes=tuple(range(n)), tokens=tuple(100 + i for i in range(n)),
         accepted_by_depth=accepted, elapsed_s=elapsed,
     )
 
 
-def _entry(run: str, step_id: int, accepted: tuple[bool, ...], node: str = "draft", elapsed: float = 0.01) -> AcceptanceEntry:
-    return AcceptanceEntry(run_id=run, node_id=node, step_id=step_id, record=_record(step_id, accepted, elapsed))
+def _entry(run: str, step_id: int, accepted: tuple[bool, ...], node: str = "draft",
+           elapsed: float = 0.01) -> AcceptanceEntry:
+    return AcceptanceEntry(run_id=run, node_id=node, step_id=step_id,
+                           record=_record(step_id, accepted, elapsed))
 
 
 @pytest.fixture
@@ -33,7 +35,8 @@ def log(redis_url: str, key_prefix: str) -> AcceptanceLog:
 def test_round_trip_single_and_batch(log: AcceptanceLog) -> None:
     first = _entry("run", 0, (True, False))
     entry_id = log.append(first)
-    ids = log.append_many([_entry("run", 1, (False,)), _entry("other", 0, ()), _entry("run", 2, (True, True))])
+    ids = log.append_many([_entry("run", 1, (False,)), _entry("other", 0, ()),
+                           _entry("run", 2, (True, True))])
     assert len(ids) == 3 and ids[0] > entry_id and ids[2] > ids[0]
     got = log.read("run")
     assert [e.step_id for e in got] == [0, 1, 2]
@@ -69,7 +72,8 @@ def test_summary_arithmetic(log: AcceptanceLog) -> None:
 
 
 def test_maxlen_retention_keeps_the_newest(redis_url: str, key_prefix: str) -> None:
-    log = AcceptanceLog.from_url(redis_url, prefix=key_prefix, retention=Retention(maxlen=5, approximate=False))
+    log = AcceptanceLog.from_url(redis_url, prefix=key_prefix,
+                                 retention=Retention(maxlen=5, approximate=False))
     for i in range(8):
         log.append(_entry("run", i, (True,)))
     log.append_many([_entry("run", 8 + i, (True,)) for i in range(4)])
@@ -77,11 +81,17 @@ def test_maxlen_retention_keeps_the_newest(redis_url: str, key_prefix: str) -> N
 
 
 def test_minid_retention_drops_old_entries(redis_url: str, key_prefix: str) -> None:
+    """Deterministic: the old entries get explicit stream ids an hour in the past (ids are milliseconds
+    since the epoch), instead of waiting out a short age limit against the wall clock."""
     keep_all = AcceptanceLog.from_url(redis_url, prefix=key_prefix, retention=Retention(maxlen=None))
-    keep_all.append_many([_entry("run", i, (True,)) for i in range(3)])
-    time.sleep(0.3)
+    hour_ago_ms = int((time.time() - 3600) * 1000)
+    for i in range(3):
+        keep_all.client.xadd(keep_all.key("run"), _entry("run", i, (True,)).to_fields(),
+                             id=f"{hour_ago_ms + i}-0")
+    assert keep_all.length("run") == 3
     aging = AcceptanceLog.from_url(redis_url, prefix=key_prefix,
-                                   retention=Retention(maxlen=None, max_age_s=0.2, approximate=False))
+                                   retention=Retention(maxlen=None, max_age_s=600, approximate=False))
+    # MINID = now - 10 min: the hour-old entries go, the new one stays
     aging.append(_entry("run", 3, (True,)))
     assert [e.step_id for e in aging.read("run")] == [3]
     assert aging.trim("run") == 0 and aging.length("run") == 1

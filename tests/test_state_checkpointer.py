@@ -121,12 +121,14 @@ def _put_chain(saver: RedisSaver, thread: str, n: int, ns: str = "") -> list[dic
     for i in range(n):
         cp = generate_checkpoint(channel_values={"x": f"v{i}", "y": "same"},
                                  channel_versions={"x": str(i + 1), "y": "1"})
-        parent = saver.put(parent, cp, generate_metadata(step=i), {"x": str(i + 1), "y": "1"} if i == 0 else {"x": str(i + 1)})
+        parent = saver.put(parent, cp, generate_metadata(step=i),
+                           {"x": str(i + 1), "y": "1"} if i == 0 else {"x": str(i + 1)})
         configs.append(parent)
     return configs
 
 
-def test_keep_last_trims_checkpoints_writes_and_orphan_blobs(redis_url: str, key_prefix: str, raw_client: redis.Redis) -> None:
+def test_keep_last_trims_checkpoints_writes_and_orphan_blobs(redis_url: str, key_prefix: str,
+                                                             raw_client: redis.Redis) -> None:
     saver = RedisSaver.from_url(redis_url, prefix=key_prefix, keep_last=3)
     first = _put_chain(saver, "t", 1)[0]
     saver.put_writes(first, [("x", "old")], "task")  # writes of a checkpoint that retention drops
@@ -143,7 +145,8 @@ def test_keep_last_trims_checkpoints_writes_and_orphan_blobs(redis_url: str, key
     assert saver.get_tuple(chain[5]).checkpoint["channel_values"] == {"x": "v5", "y": "same"}
 
 
-def test_ttl_applies_to_every_key_of_the_thread(redis_url: str, key_prefix: str, raw_client: redis.Redis) -> None:
+def test_ttl_applies_to_every_key_of_the_thread(redis_url: str, key_prefix: str,
+                                                raw_client: redis.Redis) -> None:
     saver = RedisSaver.from_url(redis_url, prefix=key_prefix, ttl_s=120)
     configs = _put_chain(saver, "t", 2)
     saver.put_writes(configs[-1], [("x", 1)], "task")
@@ -153,19 +156,22 @@ def test_ttl_applies_to_every_key_of_the_thread(redis_url: str, key_prefix: str,
     assert all(0 < ttl <= 120 for ttl in ttls), ttls
 
 
-def test_all_keys_of_a_thread_share_one_slot(redis_url: str, key_prefix: str, raw_client: redis.Redis) -> None:
+def test_all_keys_of_a_thread_share_one_slot(redis_url: str, key_prefix: str,
+                                             raw_client: redis.Redis) -> None:
     saver = RedisSaver.from_url(redis_url, prefix=key_prefix)
     for thread in ("plain", "with}brace{and:colon", ""):
         for ns in ("", "child:1|grand:2"):
             config = {"configurable": {"thread_id": thread, "checkpoint_ns": ns}}
-            stored = saver.put(config, generate_checkpoint(channel_values={"x": 1}), generate_metadata(), {"x": "1"})
+            stored = saver.put(config, generate_checkpoint(channel_values={"x": 1}), generate_metadata(),
+                               {"x": "1"})
             saver.put_writes(stored, [("x", 1)], "task")
     slots: dict[str, set[int]] = {}
     for key in raw_client.scan_iter(match=f"{key_prefix}:*"):
         tag = key.decode().split("{", 1)[1].split("}", 1)[0]
         slots.setdefault(tag, set()).add(key_slot(key))
     assert len(slots) == 3 and all(len(s) == 1 for s in slots.values()), slots
-    assert {t.config["configurable"]["thread_id"] for t in saver.list(None)} == {"plain", "with}brace{and:colon", ""}
+    threads = {t.config["configurable"]["thread_id"] for t in saver.list(None)}
+    assert threads == {"plain", "with}brace{and:colon", ""}
 
 
 def test_list_everything_and_namespace_default(redis_url: str, key_prefix: str) -> None:

@@ -89,7 +89,9 @@ def test_unreachable_server_fails_fast_and_clearly(kind: str, tmp_path: Path) ->
     assert "REDIS_URL" in str(info.value)
 
 
-@pytest.mark.parametrize(("reply", "says"), [(None, "Cannot reach"), (b"HTTP/1.1 400 Bad Request\r\n\r\n", "not in the Redis protocol")])
+@pytest.mark.parametrize(("reply", "says"),
+                         [(None, "Cannot reach"),
+                          (b"HTTP/1.1 400 Bad Request\r\n\r\n", "not in the Redis protocol")])
 def test_silent_or_foreign_server_fails_fast(reply: bytes | None, says: str) -> None:
     """A port that accepts but never answers (or answers HTTP) must not stall start-up."""
     listener = socket.socket()
@@ -157,7 +159,8 @@ def test_wrongtype_in_log_and_registry(redis_url: str, key_prefix: str, raw_clie
     registry = RunRegistry.from_url(redis_url, prefix=f"{key_prefix}:runs")
     raw_client.set(f"{key_prefix}:runs:{{registry}}:tenant:acme", "x")
     with pytest.raises(WrongTypeError, match="run registry"):
-        registry.create(RunRecord(run_id="r", workflow="w", workflow_version="1", input_hash="h", tenant="acme"))
+        registry.create(RunRecord(run_id="r", workflow="w", workflow_version="1", input_hash="h",
+                                  tenant="acme"))
 
 
 def test_default_url_prefers_redis_url_and_otherwise_starts_embedded(tmp_path: Path) -> None:

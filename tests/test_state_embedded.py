@@ -90,7 +90,8 @@ def test_running_server_from_a_dead_process_is_reused(tmp_path: Path) -> None:
         os._exit(0)  # no atexit, no SHUTDOWN: like a crash of the Elesium process
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         check=True)
     child_pid = int(out.stdout.split()[0])
     server = EmbeddedValkey(tmp_path).start()
     try:

@@ -29,7 +29,8 @@ def registry(redis_url: str, key_prefix: str) -> RunRegistry:
 
 def _run(run_id: str, tenant: str = "acme", minutes: int = 0) -> RunRecord:
     at = T0 + timedelta(minutes=minutes)
-    return RunRecord(run_id=run_id, workflow="triage", workflow_version="3", input_hash=hash_input({"q": run_id}),
+    return RunRecord(run_id=run_id, workflow="triage", workflow_version="3",
+                     input_hash=hash_input({"q": run_id}),
                      seeds={"sampling": 7, "draft": 11}, tenant=tenant, created_at=at, updated_at=at)
 
 
@@ -101,7 +102,8 @@ def test_concurrent_transitions_let_exactly_one_win(registry: RunRegistry) -> No
         except InvalidTransitionError:
             outcomes.append("refused")
 
-    threads = [threading.Thread(target=finish, args=(s,)) for s in [RunStatus.SUCCEEDED, RunStatus.FAILED] * 4]
+    threads = [threading.Thread(target=finish,
+                                args=(s,)) for s in [RunStatus.SUCCEEDED, RunStatus.FAILED] * 4]
     for t in threads:
         t.start()
     for t in threads:

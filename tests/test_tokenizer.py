@@ -18,7 +18,8 @@ def reference_bpe(tokenizer, text: str) -> list[int]:
     """Rank-ordered pair merging over the pre-tokenized pieces: the textbook BPE algorithm."""
     backend = tokenizer.backend
     model = __import__("json").loads(backend.to_str())["model"]
-    ranks = {tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m): i for i, m in enumerate(model["merges"])}
+    ranks = {tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m): i for i,
+             m in enumerate(model["merges"])}
     vocab = model["vocab"]
     ids: list[int] = []
     for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text):

@@ -1,0 +1,60 @@
+"""The one tiny model the fast tests share, and what they build around it (real maths, random weights).
+
+``tiny_model`` is a real ``Transformer`` at a toy size: the heads', drafter's and storage tests train
+and score on it in seconds, and the exactness statistics (``spec_harness.py``) use an 8-token variant
+whose joint distributions can be enumerated. ``tiny_engine`` is what ``train()`` reads from an engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from elesium.inference.decoding.tree import Tree
+from elesium.inference.runtime.config import ModelConfig
+from elesium.inference.runtime.model import Transformer
+
+MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"  # tests/data/README.md
+VOCAB = 40
+SHA = "a" * 64  # the tiny model's stand-in weights sha256
+
+
+def tiny_model(seed: int = 0, *, vocab: int = VOCAB, num_layers: int = 2, max_positions: int = 256,
+               tie_word_embeddings: bool = True) -> Transformer:
+    """A default-initialised Llama-shaped model: hidden 32, 4 query / 2 KV heads of 8, MLP 64."""
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=num_layers,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=max_positions,
+                         tie_word_embeddings=tie_word_embeddings)
+    return Transformer(config).eval().requires_grad_(False)
+
+
+def tiny_engine(model: Transformer) -> SimpleNamespace:
+    """What ``train()`` reads from an engine, around a tiny model (no tokenizer: data is given as ids)."""
+    return SimpleNamespace(model=model, tokenizer=None,
+                           weights_info=SimpleNamespace(sha256=SHA, source=Path("tiny.gguf")))
+
+
+def cycle_records(n: int = 12, length: int = 40) -> list[dict]:
+    """Answers that count up modulo VOCAB with a per-sequence stride: the future is learnable from the
+    present."""
+    recs = []
+    for i in range(n):
+        stride = 1 + i % 3
+        start = (7 * i) % VOCAB
+        ids = [(start + stride * t) % VOCAB for t in range(length)]
+        recs.append({"id": f"p{i:03d}", "task": "synthetic", "prompt_ids": ids[:4], "response_ids": ids[4:],
+                     "sampling": {"temperature": 0.0, "max_new_tokens": length,
+                                  "seed": 0}, "model_sha256": SHA})
+    return recs
+
+
+def node_path(tree: Tree, node: int) -> list[int]:
+    """Node ids from the root to ``node``, inclusive."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out[::-1]
