@@ -1,0 +1,244 @@
+"""Per-node calibrations against the global tree policy, on the shipped workflows (BENCHMARKS.md).
+
+For each shipped workflow: ``--learn`` runs with online self-tuning on (each succeeded run folds its
+acceptance into its nodes' counters and publishes a new calibration version when the estimate moves
+materially), then ``--measure`` held-out inputs, each run twice back to back in one process, once
+with the global policy and once with the per-node calibrations (frozen), the order alternating. Per
+node we report the median over the measured runs of tau (tokens per tree step) and of decode
+tokens/s (tokens committed by tree steps over their summed wall time, from the acceptance log), and
+the whole run's wall time. Interleaving in one process is what keeps the comparison fair on a
+shared, loaded machine: both arms see the same load, moment by moment. The load average is printed.
+
+Usage: ``.venv/bin/python benchmarks/node_calibration.py [--learn 6] [--measure 4] [--out DIR]``
+(speculative mode on the bundled model, CPU float32, an embedded Valkey in a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from elesium.graphs import WorkflowRunner
+from elesium.inference.engine import Engine
+from elesium.inference.tuning.node_calibration import stats_by_node
+from elesium.state.embedded import EmbeddedValkey
+
+TICKETS = [
+    (
+        "Login page returns HTTP 502",
+        "Since 09:10 UTC none of our 40 agents can log in; the login page returns HTTP 502. Order 88412.",
+        "Acme Corp",
+    ),
+    (
+        "Invoice charged twice",
+        "We were billed twice for invoice INV-2231 this month. Please refund one charge.",
+        "Globex",
+    ),
+    (
+        "Export to CSV is slow",
+        "Exporting the monthly report to CSV takes over ten minutes since the update.",
+        "Initech",
+    ),
+    (
+        "Cannot reset password",
+        "The reset email never arrives for user maria@example.com; checked spam too.",
+        None,
+    ),
+    (
+        "API rate limit too low",
+        "Our integration hits 429 errors at 50 requests per minute. Can we get more?",
+        "Hooli",
+    ),
+    (
+        "Dashboard shows wrong totals",
+        "The sales dashboard total differs from the CSV export by 3 percent.",
+        "Umbrella",
+    ),
+    ("Feature request: dark mode", "Several of our staff asked for a dark theme in the web app.", None),
+    (
+        "Data deletion request",
+        "Under GDPR please delete all data about our former employee J. Smith.",
+        "Stark Ltd",
+    ),
+    (
+        "Mobile app crashes on start",
+        "The Android app version 4.2 crashes right after the splash screen.",
+        "Wayne Co",
+    ),
+    (
+        "Webhook deliveries failing",
+        "Webhooks to https://hooks.example.com return timeout since Monday.",
+        "Acme Corp",
+    ),
+]
+EXPENSES = [
+    ("Ana Ruiz", 42.5, "EUR", "meals", "Team lunch with a client after the quarterly review."),
+    ("Ben Okafor", 1800.0, "USD", "travel", "Flight to the Berlin conference, economy class."),
+    ("Chen Wei", 129.99, "USD", "software", "Annual licence for a diagram editor."),
+    ("Dana Levi", 12.0, "GBP", "transport", "Taxi from the station to the customer site."),
+    ("Eva Novak", 5400.0, "EUR", "equipment", "Three laptops for the new hires."),
+    ("Farid Haddad", 75.0, "USD", "meals", "Dinner while travelling for the audit."),
+    ("Gita Rao", 300.0, "USD", "training", "Online course on cloud security."),
+    ("Hugo Martin", 950.0, "EUR", "travel", "Hotel, four nights, for the Paris trade fair."),
+    ("Ines Costa", 19.9, "EUR", "office", "Printer paper and pens."),
+    ("Jon Berg", 2500.0, "USD", "entertainment", "Concert tickets for the sales team."),
+]
+INCIDENTS = [
+    (
+        "payments-api",
+        "ERROR timeout calling bank gateway after 30s\nERROR timeout calling bank gateway after 30s\n"
+        "WARN retry queue length 1200",
+    ),
+    (
+        "auth-service",
+        "ERROR invalid signature on token\nERROR invalid signature on token\nINFO key rotation at 02:00",
+    ),
+    (
+        "search",
+        "WARN slow query 4.2s index=products\nWARN slow query 5.1s index=products\nINFO gc pause 800ms",
+    ),
+    (
+        "checkout",
+        "ERROR 500 on POST /cart/checkout NullPointerException in PriceService\nERROR 500 on POST "
+        "/cart/checkout",
+    ),
+    (
+        "email-worker",
+        "WARN smtp 421 too many connections\nWARN smtp 421 too many connections\nINFO backoff 60s",
+    ),
+    ("inventory", "ERROR disk full on /var/lib/db\nERROR write failed: no space left on device"),
+    ("cdn", "WARN cache hit ratio dropped to 42%\nINFO origin requests doubled"),
+    ("billing", "ERROR duplicate invoice id INV-993\nERROR constraint violation on invoices_pkey"),
+    ("notifications", "INFO push sent 10000\nWARN apns feedback 300 invalid tokens"),
+    ("reports", "ERROR job monthly-report failed: out of memory\nINFO retry scheduled"),
+]
+
+
+def inputs(workflow: str) -> list[dict[str, Any]]:
+    if workflow == "ticket-triage":
+        return [{"subject": s, "body": b, **({"customer": c} if c else {})} for s, b, c in TICKETS]
+    if workflow == "expense-approval":
+        return [dict(zip(("employee", "amount", "currency", "category", "description"), e)) for e in EXPENSES]
+    return [{"service": s, "logs": lg} for s, lg in INCIDENTS]
+
+
+def run_once(runner: WorkflowRunner, workflow: str, payload: dict[str, Any], seed: int) -> tuple[Any, float]:
+    """Start (and, for triage, approve) one run; returns (RunResult, wall seconds)."""
+    start = time.perf_counter()
+    result = runner.start(workflow, payload, seed=seed)
+    if result.status == "interrupted":
+        result = runner.resume(result.run_id, {"approved": True})
+    return result, time.perf_counter() - start
+
+
+def node_figures(runner: WorkflowRunner, run_id: str) -> dict[str, dict[str, float]]:
+    out = {}
+    for node, s in stats_by_node(runner.log.iter_entries(run_id)).items():
+        if s.steps:
+            out[node] = {"tau": s.tau, "tokens_per_s": s.tokens_per_s, "steps": s.steps, "tokens": s.tokens}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learn", type=int, default=6, help="online-tuning runs per workflow")
+    ap.add_argument(
+        "--measure", type=int, default=4, help="held-out inputs per workflow, each run in both arms"
+    )
+    ap.add_argument("--workflows", default="expense-approval,incident-summary,ticket-triage")
+    ap.add_argument("--out", type=Path, default=None, help="write results.json here")
+    args = ap.parse_args()
+    load = [os.getloadavg()]
+    engine = Engine.load(device="cpu", dtype="float32", max_len=2048)
+    print(
+        f"engine: {engine.describe()['profile_id']} policy {engine.policy.kind} <= {engine.policy.max_nodes} "
+        f"nodes; load average {load[0]}",
+        flush=True,
+    )
+    server = EmbeddedValkey(Path(tempfile.mkdtemp(prefix="bench-calib-"))).start()
+    results: dict[str, Any] = {"learn": args.learn, "measure": args.measure, "workflows": {}}
+    try:
+        runner = WorkflowRunner(
+            engine, server.url, mode="speculative", prefix=f"bench-{uuid.uuid4().hex[:8]}"
+        )
+        for workflow in args.workflows.split(","):
+            data = inputs(workflow)
+            runner.calibrator.use = runner.calibrator.learn = True
+            for i in range(args.learn):
+                result, wall = run_once(runner, workflow, data[i % len(data)], seed=1000 + i)
+                print(
+                    f"[{workflow}] learn {i + 1}/{args.learn}: {result.status} in {wall:.0f} s; calibrations "
+                    f"{runner.runs.get(result.run_id).calibrations}",
+                    flush=True,
+                )
+            published = {
+                n: runner.calibrator.current(workflow, n) for n in runner.calibrator.store.nodes(workflow)
+            }
+            runner.calibrator.learn = False  # frozen while measuring: both arms see fixed policies
+            arms: dict[str, list[dict[str, Any]]] = {"global": [], "node": []}
+            for j in range(args.measure):
+                payload = data[(args.learn + j) % len(data)]
+                order = ["global", "node"] if j % 2 == 0 else ["node", "global"]
+                for arm in order:
+                    runner.calibrator.use = arm == "node"
+                    result, wall = run_once(runner, workflow, payload, seed=5000 + j)
+                    arms[arm].append(
+                        {
+                            "wall_s": wall,
+                            "nodes": node_figures(runner, result.run_id),
+                            "status": result.status,
+                        }
+                    )
+                print(
+                    f"[{workflow}] measure {j + 1}/{args.measure}: "
+                    f"global {arms['global'][-1]['wall_s']:.0f} s, "
+                    f"per-node {arms['node'][-1]['wall_s']:.0f} s",
+                    flush=True,
+                )
+                load.append(os.getloadavg())
+            table = {}
+            for node in sorted({n for runs in arms.values() for r in runs for n in r["nodes"]}):
+                row = {}
+                for arm, runs in arms.items():
+                    vals = [r["nodes"][node] for r in runs if node in r["nodes"]]
+                    row[arm] = {
+                        "tau": statistics.median(v["tau"] for v in vals),
+                        "tokens_per_s": statistics.median(v["tokens_per_s"] for v in vals),
+                        "runs": len(vals),
+                    }
+                label, calib = published.get(node, ("global", None))
+                row["calibration"] = {"version": label, **(calib.to_dict() if calib else {})}
+                table[node] = row
+            results["workflows"][workflow] = {
+                "nodes": table,
+                "wall_s": {arm: statistics.median(r["wall_s"] for r in runs) for arm, runs in arms.items()},
+                "raw": arms,
+            }
+            for node, row in table.items():
+                g, n = row["global"], row["node"]
+                print(
+                    f"  {workflow}/{node} [{row['calibration']}]: tau {g['tau']:.2f} -> {n['tau']:.2f}, "
+                    f"tokens/s "
+                    f"{g['tokens_per_s']:.2f} -> {n['tokens_per_s']:.2f}",
+                    flush=True,
+                )
+    finally:
+        server.stop()
+    results["load_average"] = load
+    print(f"load average (1, 5, 15 min) at start and after each measured pair: {load}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
