@@ -36,7 +36,10 @@ class RunContext:
         log: where LLM calls append their step records; None skips the audit (ad-hoc local runs).
         mode: decode mode for nodes that do not pin one; None: the engine's default.
         workflow: workflow name, for per-node calibration lookups.
-        calibrations: calibration version used per node (filled as calls happen).
+        calibrations: calibration version used per node (filled as calls happen; pre-filled with a
+            run's recorded versions when it resumes or is re-executed, so its trees are the same).
+        calibrator: picks each node's tree policy (:class:`elesium.graphs.calibration.NodeCalibrator`);
+            None: every node uses the engine's global policy.
     """
 
     run_id: str
@@ -47,6 +50,7 @@ class RunContext:
     mode: str | None = None
     workflow: str = ""
     calibrations: dict[str, str] = field(default_factory=dict)
+    calibrator: Any = None
 
 
 def run_config(
@@ -59,6 +63,8 @@ def run_config(
     log: AcceptanceLog | None = None,
     mode: str | None = None,
     workflow: str = "",
+    calibrator: Any = None,
+    calibrations: Mapping[str, str] | None = None,
     **config: Any,
 ) -> RunnableConfig:
     """A LangGraph config for one run: pass it to ``graph.invoke`` / ``graph.stream``.
@@ -68,7 +74,8 @@ def run_config(
     """
     run_id = run_id or uuid.uuid4().hex
     ctx = RunContext(
-        run_id=run_id, seed=int(run_seed), engine=engine, tenant=tenant, log=log, mode=mode, workflow=workflow
+        run_id=run_id, seed=int(run_seed), engine=engine, tenant=tenant, log=log, mode=mode,
+        workflow=workflow, calibrations=dict(calibrations or {}), calibrator=calibrator,
     )
     configurable = dict(config.pop("configurable", None) or {})
     configurable.update(

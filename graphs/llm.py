@@ -29,6 +29,7 @@ from langgraph.config import get_stream_writer
 from pydantic import BaseModel
 
 from elesium.graphs.audit import record_call
+from elesium.graphs.calibration import node_policy
 from elesium.graphs.context import RunContext, get_run_context
 from elesium.graphs.prompts import PromptSource, TemplateFormat, render
 from elesium.graphs.seeds import derive_seed
@@ -115,6 +116,9 @@ def call_llm(
     constrained = not spec.free_text and constraints_available(ctx.engine)
     extra: dict[str, Any] = {"constraint": spec.constraint()} if constrained else {}
     decode_mode = mode or ctx.mode
+    policy = node_policy(ctx, node, decode_mode)  # the node's calibrated tree policy, if any
+    if policy is not None:
+        extra["policy"] = policy
 
     message_id = f"{ctx.run_id}:{node}:{call_index}"
     lc_messages = [SystemMessage(content=system)] if system else []

@@ -11,6 +11,7 @@ continues it with ``Command(resume=value)`` after checking the engine is the one
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -20,11 +21,13 @@ from langgraph.types import Command
 from pydantic import BaseModel, ValidationError
 
 from elesium.errors import UserError
+from elesium.graphs.calibration import NodeCalibrator
 from elesium.graphs.context import run_config
 from elesium.graphs.fingerprint import engine_fingerprint
 from elesium.graphs.registry import Registry, Workflow, default_registry
 from elesium.graphs.seeds import fresh_run_seed
 from elesium.state.acceptance_log import AcceptanceLog, Retention
+from elesium.state.calibrations import CalibrationStore
 from elesium.state.checkpointer import RedisSaver
 from elesium.state.connection import default_url
 from elesium.state.errors import RunNotFoundError
@@ -107,6 +110,10 @@ class WorkflowRunner:
         self.runs = RunRegistry.from_url(url, prefix=f"{prefix}:runs")
         # The audit trail of a run is kept whole: replay compares every step.
         self.log = AcceptanceLog.from_url(url, prefix=f"{prefix}:acc", retention=Retention(maxlen=None))
+        # Per-node tree calibrations (graphs/calibration.py): used by tree-decoding nodes, learnt from
+        # runs that succeed. Set .use / .learn False for the global policy / a frozen calibration.
+        self.calibrator = NodeCalibrator(CalibrationStore.from_url(url, prefix=f"{prefix}:calib"), self.log,
+                                         runs=self.runs)
 
     def workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
         return workflow if isinstance(workflow, Workflow) else self.registry.get(workflow, version)
@@ -121,8 +128,12 @@ class WorkflowRunner:
         run_id: str | None = None,
         tenant: str = "default",
         on_event: EventSink | None = None,
+        calibrations: Mapping[str, str] | None = None,
     ) -> RunResult:
         """Validate, register and run; returns when the run ends or stops at an interrupt.
+
+        ``calibrations`` pins nodes' calibration versions (node -> ``v<n>`` | ``global``), as a
+        re-execution does (:func:`elesium.graphs.calibration.reexecute`); other nodes use the current one.
 
         Raises (before writing anything): UnknownWorkflowError, InputValidationError; RunExistsError
         for a taken run id.
@@ -141,6 +152,7 @@ class WorkflowRunner:
             thread_id=thread_id or run_id,
             input=values,
             engine=engine_fingerprint(self.engine, self.mode),
+            calibrations=dict(calibrations or {}),
         )
         self.runs.create(record)
         self.runs.update_status(run_id, RunStatus.RUNNING)
@@ -192,6 +204,8 @@ class WorkflowRunner:
             log=self.log,
             mode=mode,
             workflow=wf.name,
+            calibrator=self.calibrator,
+            calibrations=record.calibrations,
         )
         result = RunResult(
             run_id=record.run_id,
@@ -222,8 +236,19 @@ class WorkflowRunner:
         else:
             result.status = "succeeded"
             self.runs.update_status(record.run_id, RunStatus.SUCCEEDED)
+            self._learn(wf.name, record.run_id)
         result.acceptance = self.acceptance_summary(record.run_id)
         return result
+
+    def _learn(self, workflow: str, run_id: str) -> None:
+        """Fold a succeeded run into its nodes' calibrations; a failure there must not fail the run."""
+        if not self.calibrator.learn:
+            return
+        try:
+            self.calibrator.fold_run(workflow, run_id)
+        except Exception:  # noqa: BLE001 - tuning is best effort; `elesium tune --from-log` redoes it
+            logging.getLogger(__name__).warning("calibration update after run %s failed", run_id,
+                                                exc_info=True)
 
     def acceptance_summary(self, run_id: str) -> dict[str, Any]:
         """Whole-run and per-node tau, tokens and LLM calls, from the run's acceptance stream."""

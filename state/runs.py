@@ -82,7 +82,8 @@ class RunRecord(BaseModel):
             records).
         engine: the engine fingerprint the run decoded with (model/heads sha256, profile, dtype,
             device, mode, attention path); re-execution must match it to reproduce tokens.
-        calibrations: calibration version per LLM node, where a node used a non-global one.
+        calibrations: calibration version per LLM node that decoded with a tree: ``v<n>`` (see
+            :mod:`elesium.state.calibrations`) or ``global`` (the engine's policy).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -157,6 +158,20 @@ return out
 """
 
 
+# KEYS: run hash. ARGV: node, calibration label. One node's entry of the ``calibrations`` JSON field,
+# set unless present (a run pins a node's version at its first call).
+_SET_CALIBRATION = r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local raw = redis.call('HGET', KEYS[1], 'calibrations')
+local cal = (raw and raw ~= '{}') and cjson.decode(raw) or {}
+if cal[ARGV[1]] == nil then
+  cal[ARGV[1]] = ARGV[2]
+  redis.call('HSET', KEYS[1], 'calibrations', cjson.encode(cal))
+end
+return 1
+"""
+
+
 class RunRegistry:
     """Create, update and query :class:`RunRecord` s.
 
@@ -172,6 +187,7 @@ class RunRegistry:
         self._create = client.register_script(_CREATE)
         self._update = client.register_script(_UPDATE)
         self._fetch = client.register_script(_FETCH)
+        self._set_calibration = client.register_script(_SET_CALIBRATION)
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> RunRegistry:
@@ -240,6 +256,13 @@ class RunRegistry:
             )
         flat = reply[1]
         return RunRecord.from_hash({flat[i]: flat[i + 1] for i in range(0, len(flat), 2)})
+
+    def set_calibration(self, run_id: str, node: str, label: str) -> None:
+        """Record that ``node`` decodes with calibration ``label`` in this run (first write wins)."""
+        with self._guard():
+            found = self._set_calibration(keys=[self._run_key(run_id)], args=[node, label])
+        if not found:
+            raise RunNotFoundError(f"No run {run_id!r} in the registry; create() it first, or check the id.")
 
     def _list(self, index: str, limit: int, offset: int) -> list[RunRecord]:
         with self._guard():

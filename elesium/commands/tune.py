@@ -1,4 +1,9 @@
-"""``elesium tune``: measure this hardware and pick the tree; saves a per-device profile."""
+"""``elesium tune``: measure this hardware and pick the tree; saves a per-device profile.
+
+``elesium tune --from-log [--workflow W]`` instead rebuilds the per-(workflow, node) calibrations
+from the acceptance log of the stored succeeded runs (no model is loaded) and prints the
+before/after table (graphs/calibration.py).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine, read_prompt_file, settings_from_args
+from elesium.commands.common import (
+    add_model_args,
+    add_state_args,
+    load_engine,
+    read_prompt_file,
+    settings_from_args,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,11 +29,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", type=int, default=16,
                    help="number of template prompts when --prompts is not given")
     p.add_argument("--out", type=Path, default=None, help="also write the profile here")
+    p.add_argument("--from-log", action="store_true",
+                   help="rebuild the per-node tree calibrations of workflows from the acceptance log of "
+                   "their succeeded runs, and print the before/after table (loads no model)")
+    p.add_argument("--workflow", default=None, help="with --from-log: only this workflow (default: all)")
+    p.add_argument("--prefix", default="elesium",
+                   help="with --from-log: key root of the runs, logs and calibrations (default: elesium)")
     add_model_args(p)
+    add_state_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_log:
+        return from_log(args)
+    if args.workflow is not None:
+        from elesium.cli import CliError
+
+        raise CliError("--workflow goes with --from-log")
     from elesium.inference.training.distill import build_prompts
     from elesium.inference.tuning.profile import profile_path
     from elesium.inference.tuning.tuner import tune
@@ -39,4 +63,63 @@ def run(args: argparse.Namespace) -> int:
     print(f"profile saved to {saved}")
     if args.out is not None:
         print(f"profile saved to {profile.save(args.out)}")
+    return 0
+
+
+def _policy_cells(label: str, calib: object | None) -> list[str]:
+    if calib is None:
+        return [label, "-", "-", "-"]
+    return [label, str(calib.max_nodes), f"{calib.calibration:.2f}", f"{calib.draft_temperature:.2f}"]
+
+
+def format_table(rows: list) -> str:
+    """The before/after table of a rebuild: one line per (workflow, node)."""
+    head = ["workflow", "node", "runs", "steps", "tau", "tok/call", "before", "budget", "calib", "temp",
+            "after", "budget", "calib", "temp"]
+    lines = [head]
+    for r in rows:
+        s = r.stats
+        lines.append([r.workflow, r.node, str(s.get("runs", "")), str(s["steps"]), f"{s['tau']:.2f}",
+                      f"{s['tokens_per_call']:.1f}", *_policy_cells(r.before, r.old),
+                      *_policy_cells(r.after, r.new)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def from_log(args: argparse.Namespace) -> int:
+    """``tune --from-log``: recount every node's acceptance from the stored runs; publish what moved."""
+    from elesium.cli import CliError
+    from elesium.graphs.calibration import NodeCalibrator
+    from elesium.graphs.registry import UnknownWorkflowError, default_registry
+    from elesium.state.acceptance_log import AcceptanceLog, Retention
+    from elesium.state.calibrations import CalibrationStore
+    from elesium.state.connection import default_url
+    from elesium.state.runs import RunRegistry, RunStatus
+
+    if args.workflow is not None:
+        try:
+            default_registry().get(args.workflow)
+        except UnknownWorkflowError as exc:
+            raise CliError(str(exc)) from None
+    url = default_url(settings_from_args(args))
+    runs = RunRegistry.from_url(url, prefix=f"{args.prefix}:runs")
+    log = AcceptanceLog.from_url(url, prefix=f"{args.prefix}:acc", retention=Retention(maxlen=None))
+    calibrator = NodeCalibrator(CalibrationStore.from_url(url, prefix=f"{args.prefix}:calib"), log)
+    by_workflow: dict[str, list[str]] = {}
+    for record in runs.list_by_status(RunStatus.SUCCEEDED, limit=1_000_000):
+        if args.workflow is None or record.workflow == args.workflow:
+            by_workflow.setdefault(record.workflow, []).append(record.run_id)
+    if not by_workflow:
+        which = f" of {args.workflow}" if args.workflow else ""
+        print(f"no succeeded runs{which} in the log; nothing to tune")
+        return 0
+    rows = []
+    for workflow in sorted(by_workflow):
+        for row in calibrator.rebuild(workflow, sorted(by_workflow[workflow])):
+            row.stats["runs"] = calibrator.store.folded_runs(workflow, row.node)
+            rows.append(row)
+    print(format_table(rows))
+    changed = sum(r.after != r.before for r in rows)
+    print(f"{changed} of {len(rows)} node calibrations changed (new versions published); "
+          "runs started from now on use the 'after' column")
     return 0
