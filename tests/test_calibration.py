@@ -1,0 +1,307 @@
+"""Per-(workflow, node) tree calibrations learnt from the acceptance log (graphs/calibration.py).
+
+Synthetic logs check the estimator's bounds, versioning and idempotent folding, and the
+``tune --from-log`` table; the real model (speculative mode, sampled at T > 0) checks that runs
+pick up the current version, record it, feed the online update, and that a re-executed run
+reproduces its sampled tokens with its recorded version after a newer one was published.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from langgraph.graph import END, START, StateGraph
+from pydantic import BaseModel
+
+from elesium.cli import main as cli_main
+from elesium.graphs import Registry, Workflow, WorkflowRunner, llm_node
+from elesium.graphs.audit import call_tokens
+from elesium.graphs.calibration import CalibrationNotFoundError, NodeCalibrator, reexecute
+from elesium.graphs.llm import WorkflowState
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.records import StepRecord
+from elesium.inference.tuning.node_calibration import CalibrationBounds, NodeCalibration, apply
+from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog, Retention
+from elesium.state.calibrations import CalibrationStore
+from elesium.state.runs import RunRecord, RunRegistry, RunStatus
+
+pytest_plugins = ["state_fixtures"]
+
+
+def steps(
+    run_id: str,
+    node: str,
+    n: int,
+    *,
+    accepted: int,
+    size: int,
+    predicted: float,
+    calibration: float = 1.0,
+    tokens_per_call: int = 20,
+) -> list[AcceptanceEntry]:
+    """One call of ``node``: its call entry, then ``n`` tree steps that each accept ``accepted`` drafts."""
+    depth = max(accepted, 3)
+    head = AcceptanceEntry(
+        run_id=run_id,
+        node_id=node,
+        step_id=0,
+        kind="call",
+        call_index=0,
+        call_seed=1,
+        tokens=tuple(range(tokens_per_call)),
+        record=StepRecord(0, "speculative", 1, 0, 1, (0,), (0,)),
+    )
+    out = [head]
+    for i in range(n):
+        rec = StepRecord(
+            step=i,
+            mode="speculative",
+            tree_size=size,
+            tree_depth=depth,
+            accepted_length=accepted + 1,
+            accepted_nodes=tuple(range(accepted + 1)),
+            tokens=tuple(range(accepted + 1)),
+            accepted_by_depth=tuple(d <= accepted for d in range(1, depth + 1)),
+            draft_temperature=1.0,
+            elapsed_s=0.05,
+            predicted=predicted,
+            calibration=calibration,
+        )
+        out.append(
+            AcceptanceEntry(run_id=run_id, node_id=node, step_id=1 + i, record=rec, call_index=0, call_seed=1)
+        )
+    return out
+
+
+def synthetic_run(log: AcceptanceLog, run_id: str) -> None:
+    """easy: heads under-confident (4 accepted, 0.5 predicted); hard: over-confident; thin: 3 steps."""
+    entries = (
+        steps(run_id, "easy", 20, accepted=4, size=8, predicted=0.5)
+        + steps(run_id, "hard", 20, accepted=0, size=4, predicted=2.0)
+        + steps(run_id, "thin", 3, accepted=1, size=4, predicted=1.0)
+    )
+    for i, e in enumerate(entries):  # run-wide step ids
+        entries[i] = e.model_copy(update={"step_id": i})
+    log.append_many(entries)
+
+
+def stores(url: str, prefix: str) -> tuple[AcceptanceLog, CalibrationStore]:
+    log = AcceptanceLog.from_url(url, prefix=f"{prefix}:acc", retention=Retention(maxlen=None))
+    return log, CalibrationStore.from_url(url, prefix=f"{prefix}:calib")
+
+
+def test_calibrations_from_a_synthetic_log_are_bounded_and_versioned(redis_url: str, key_prefix: str) -> None:
+    log, store = stores(redis_url, key_prefix)
+    bounds = CalibrationBounds(max_nodes=32)
+    cal = NodeCalibrator(store, log, bounds=bounds)
+    synthetic_run(log, "r1")
+    rows = {r.node: r for r in cal.fold_run("wf", "r1")}
+    assert {n: (r.before, r.after) for n, r in rows.items()} == {
+        "easy": ("global", "v1"),
+        "hard": ("global", "v1"),
+        "thin": ("global", "global"),
+    }
+    easy = NodeCalibration.from_dict(store.get("wf", "easy", "v1")["policy"])
+    hard = NodeCalibration.from_dict(store.get("wf", "hard", "v1")["policy"])
+    # The raw estimates (about 7.5 and 0.09) are clamped to the bounds, and so is what follows from them.
+    assert (easy.calibration, easy.draft_temperature, easy.max_nodes) == (4.0, 0.5, 32)
+    assert (hard.calibration, hard.draft_temperature) == (0.25, 2.0)
+    assert bounds.min_nodes <= hard.max_nodes <= 8
+    assert store.current("wf", "thin") == "global"  # 3 steps: too little evidence to leave the global policy
+    doc = store.get("wf", "easy", "v1")
+    assert (
+        doc["stats"]["steps"] == 20 and doc["stats"]["tau"] == 5.0 and doc["stats"]["tokens_per_call"] == 20
+    )
+    assert doc["stats"]["acceptance_by_depth"][:4] == [1.0, 1.0, 1.0, 1.0]
+
+    # Folding is once per run; more of the same evidence moves nothing, so no new version.
+    assert cal.fold_run("wf", "r1") == []
+    assert NodeCalibrator(store, log).store.counters("wf", "easy")["steps"] == 20
+    synthetic_run(log, "r2")
+    rows = {r.node: r for r in cal.fold_run("wf", "r2")}
+    assert rows["easy"].after == "v1" and store.counters("wf", "easy")["steps"] == 40
+    assert store.current("wf", "thin") == "global"  # 6 steps: still under min_steps
+    synthetic_run(log, "r3")
+    assert {r.node: r.after for r in cal.fold_run("wf", "r3")}["thin"] == "v1"  # 9 steps
+
+    # Versions are immutable: a newer one gets the next number and the old document stays as it was.
+    v1 = store.get("wf", "easy", "v1")
+    assert (
+        store.publish(
+            "wf", "easy", {"policy": {"max_nodes": 8, "calibration": 1.0, "draft_temperature": 1.0}}
+        )
+        == "v2"
+    )
+    assert store.current("wf", "easy") == "v2" and store.get("wf", "easy", "v1") == v1
+    store.client.set(f"{key_prefix}:calib:{{wf:easy}}:seq", 1)  # even a reset counter cannot overwrite v2
+    with pytest.raises(redis.ResponseError, match="version exists"):
+        store.publish("wf", "easy", {"policy": {}})
+    assert store.get("wf", "easy", "v2")["policy"]["max_nodes"] == 8
+    with pytest.raises(CalibrationNotFoundError):
+        cal.calibration("wf", "easy", "v9")
+
+
+def test_applied_calibration_stays_within_the_engine_budget() -> None:
+    base = TreePolicy(kind="dynamic", max_nodes=16)
+    policy = apply(base, NodeCalibration(max_nodes=64, calibration=2.0, draft_temperature=0.7))
+    assert (policy.max_nodes, policy.calibration, policy.draft_temperature) == (16, 2.0, 0.7)
+    assert base.calibration == 1.0  # the engine's own policy is untouched
+    assert apply(TreePolicy(kind="static", static_paths=((0,),)), NodeCalibration(8, 2.0, 0.7)) is None
+
+
+def succeeded_run(runs: RunRegistry, run_id: str, workflow: str) -> None:
+    runs.create(RunRecord(run_id=run_id, workflow=workflow, workflow_version="x", input_hash="h"))
+    runs.update_status(run_id, RunStatus.RUNNING)
+    runs.update_status(run_id, RunStatus.SUCCEEDED)
+
+
+def test_tune_from_log_prints_the_before_after_table(redis_url: str, key_prefix: str, capsys) -> None:
+    log, store = stores(redis_url, key_prefix)
+    runs = RunRegistry.from_url(redis_url, prefix=f"{key_prefix}:runs")
+    for run_id in ("t1", "t2"):
+        synthetic_run(log, run_id)
+        succeeded_run(runs, run_id, "ticket-triage")
+    synthetic_run(log, "other")
+    succeeded_run(runs, "other", "incident-summary")  # another workflow: not rebuilt with --workflow
+    argv = [
+        "tune",
+        "--from-log",
+        "--workflow",
+        "ticket-triage",
+        "--prefix",
+        key_prefix,
+        "--redis-url",
+        redis_url,
+    ]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == [
+        "workflow",
+        "node",
+        "runs",
+        "steps",
+        "tau",
+        "tok/call",
+        "before",
+        "budget",
+        "calib",
+        "temp",
+        "after",
+        "budget",
+        "calib",
+        "temp",
+    ]
+    table = {line.split()[1]: line.split() for line in out[1:4]}
+    assert table["easy"][2:6] == ["2", "40", "5.00", "20.0"]
+    assert table["easy"][6:10] == ["global", "-", "-", "-"] and table["easy"][10:14] == [
+        "v1",
+        "64",
+        "4.00",
+        "0.50",
+    ]
+    assert table["thin"][10] == "global" and table["hard"][10:13] == ["v1", "8", "0.25"]
+    assert out[4].startswith("2 of 3 node calibrations changed")
+    assert store.current("incident-summary", "easy") == "global"
+    # A rebuild recounts from scratch (no double counting) and publishes nothing when nothing moved.
+    assert cli_main(argv) == 0
+    again = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()[1:4]}
+    assert again["easy"][3] == "40" and again["easy"][6] == "v1" and again["easy"][10] == "v1"
+    assert cli_main(["tune", "--from-log", "--workflow", "no-such-flow", "--redis-url", redis_url]) == 1
+    assert "no-such-flow" in capsys.readouterr().err
+
+
+# -- the real model -----------------------------------------------------------------------------------
+
+
+class TinyIn(BaseModel):
+    topic: str
+
+
+class TinyState(WorkflowState, total=False):
+    topic: str
+    text: str
+
+
+def tiny_registry() -> Registry:
+    """One sampled free-text node: its tokens depend on the trees, hence on the calibration."""
+    write = llm_node(
+        "write",
+        prompt="Write one sentence about {topic}.",
+        output_key="text",
+        params={"max_tokens": 32, "temperature": 0.9},
+    )
+
+    def build() -> StateGraph:
+        b = StateGraph(TinyState)
+        b.add_node(write)
+        b.add_edge(START, "write")
+        b.add_edge("write", END)
+        return b
+
+    registry = Registry()
+    registry.register(Workflow.define("tiny-calibrated", build, TinyIn, description="calibration test"))
+    return registry
+
+
+@pytest.fixture
+def runner(engine, redis_url: str, key_prefix: str) -> WorkflowRunner:
+    return WorkflowRunner(engine, redis_url, registry=tiny_registry(), mode="speculative", prefix=key_prefix)
+
+
+def tokens(runner: WorkflowRunner, run_id: str) -> list[tuple[Any, ...]]:
+    return [t for *_, t in call_tokens(runner.log, run_id)]
+
+
+def test_runs_use_record_and_update_the_node_calibration(runner: WorkflowRunner) -> None:
+    store = runner.calibrator.store
+    first = runner.start("tiny-calibrated", {"topic": "rivers"}, seed=11)
+    assert first.status == "succeeded"
+    assert runner.runs.get(first.run_id).calibrations == {"write": "global"}
+    n_steps = sum(1 for e in runner.log.iter_entries(first.run_id) if e.kind == "step")
+    assert n_steps >= CalibrationBounds().min_steps
+    # Online update: the succeeded run was folded and the node got its first version.
+    assert store.current("tiny-calibrated", "write") == "v1"
+    v1 = NodeCalibration.from_dict(store.get("tiny-calibrated", "write", "v1")["policy"])
+    assert store.counters("tiny-calibrated", "write")["steps"] == n_steps
+
+    second = runner.start("tiny-calibrated", {"topic": "mountains"}, seed=12)
+    assert runner.runs.get(second.run_id).calibrations == {"write": "v1"}
+    # The node really decoded with v1: its first tree was built from v1's calibration factor.
+    first_step = next(e.record for e in runner.log.iter_entries(second.run_id) if e.kind == "step")
+    assert first_step.calibration == pytest.approx(
+        v1.calibration
+    ) and first_step.draft_temperature == pytest.approx(v1.draft_temperature)
+    counted = sum(1 for e in runner.log.iter_entries(second.run_id) if e.kind == "step")
+    assert store.counters("tiny-calibrated", "write")["steps"] == n_steps + counted
+
+
+def test_reexecution_with_the_recorded_version_reproduces_sampled_tokens(runner: WorkflowRunner) -> None:
+    store = runner.calibrator.store
+    store.publish(
+        "tiny-calibrated",
+        "write",
+        {"policy": {"max_nodes": 16, "calibration": 0.8, "draft_temperature": 1.1}},
+    )
+    runner.calibrator.learn = False  # keep the versions below exactly as published here
+    original = runner.start("tiny-calibrated", {"topic": "the sea"}, seed=21)
+    assert runner.runs.get(original.run_id).calibrations == {"write": "v1"}
+    # A newer, quite different calibration is published: new runs start from it.
+    assert (
+        store.publish(
+            "tiny-calibrated",
+            "write",
+            {"policy": {"max_nodes": 64, "calibration": 4.0, "draft_temperature": 0.5}},
+        )
+        == "v2"
+    )
+    again = reexecute(runner, original.run_id)
+    assert runner.runs.get(again.run_id).calibrations == {"write": "v1"}
+    assert tokens(runner, again.run_id) == tokens(runner, original.run_id)
+    assert again.state["text"] == original.state["text"]
+    # Control: the same input and seed with the current version draws other trees, so other tokens;
+    # without the recorded version the re-execution would not reproduce the run.
+    current = reexecute(runner, original.run_id, calibrations={})
+    assert runner.runs.get(current.run_id).calibrations == {"write": "v2"}
+    assert tokens(runner, current.run_id) != tokens(runner, original.run_id)
