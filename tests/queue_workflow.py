@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import time
 from typing import Any, TypedDict
@@ -138,9 +139,16 @@ def executor(engine: Any, root: str) -> GraphExecutor:
     )
 
 
+def engine_key(root: str, worker_id: str) -> str:
+    return f"{root}:engine:{worker_id}"
+
+
 def make_executor(args: argparse.Namespace, queue: RunQueue) -> GraphExecutor:
-    """``elesium worker --executor queue_workflow:make_executor``: the real engine, CPU float32;
-    state under the queue's prefix."""
+    """``elesium worker --executor queue_workflow:make_executor``: the real engine, loaded as the
+    tests' ``engine`` fixture loads it; state under the queue's prefix. The engine's fingerprint is
+    published so a test can tell "another engine" apart from "recovery changed the run"."""
     from elesium.inference.engine import Engine
 
-    return executor(Engine.load(device="cpu", dtype="float32", max_len=2048), queue.prefix)
+    engine = Engine.load(device="cpu", dtype="float32", max_len=2048)
+    queue.client.set(engine_key(queue.prefix, args.worker_id or "?"), json.dumps(engine.fingerprint()))
+    return executor(engine, queue.prefix)

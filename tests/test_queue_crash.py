@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -62,7 +63,7 @@ def baseline(engine: Any, state_server: EmbeddedValkey) -> dict[str, dict[str, A
         worker.stop(5)
     assert all(s.status == "succeeded" for s in states.values()), states
     print(f"\nbaseline: {N_RUNS} runs in {time.monotonic() - t0:.1f} s")
-    return {r: snapshot(queue.client, root, r) for r in ids}
+    return {"__engine__": engine.fingerprint(), **{r: snapshot(queue.client, root, r) for r in ids}}
 
 
 def _crash_flow(url: str, baseline: dict[str, dict[str, Any]], n: int, log_dir: Path) -> None:
@@ -78,6 +79,12 @@ def _crash_flow(url: str, baseline: dict[str, dict[str, Any]], n: int, log_dir: 
     try:
         victim = None
         deadline = time.monotonic() + TIMEOUT_S
+        while not all(queue.client.exists(qw.engine_key(root, w)) for w in ("A", "B")):
+            assert a.proc.poll() is None and b.proc.poll() is None, a.log() + b.log()
+            assert time.monotonic() < deadline, a.log() + b.log()
+            time.sleep(0.1)
+        for w in ("A", "B"):  # the workers decode with the baseline's engine, or nothing below can match
+            assert json.loads(queue.client.get(qw.engine_key(root, w))) == baseline["__engine__"]
         while victim is None:
             assert a.proc.poll() is None, f"worker A exited early:\n{a.log()}"
             assert time.monotonic() < deadline, f"worker A never got inside an LLM call:\n{a.log()}"
