@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.exceptions
+
 from elesium.state import _keys as K
 from elesium.state._saver_base import Request, ScriptCall
 from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog

@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypedDict
 import pytest
 from langgraph.graph import END, START, StateGraph
 
+from elesium.inference.records import StepRecord
 from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
 from elesium.state.fenced import entry_attempts
@@ -30,7 +31,6 @@ from elesium.state.queue import (
     RunQueue,
 )
 from elesium.state.queue_worker import QueueWorker
-from elesium.inference.records import StepRecord
 
 pytest_plugins = ["state_fixtures"]
 
