@@ -294,12 +294,18 @@ def checkpoint_ids(graph: Any, thread_id: str) -> list[str]:
 
 def run_config(thread_id: str, run_id: str, seed: int, tenant: str, engine: Any,
                checkpoint_id: str | None = None, log: Any = None, workflow: str = "",
-               mode: str | None = None) -> dict[str, Any]:
-    """The RunnableConfig of an API run or a replay (C4's keys and RunContext, with the tapped engine)."""
+               mode: str | None = None, calibrator: Any = None,
+               calibrations: dict[str, str] | None = None) -> dict[str, Any]:
+    """The RunnableConfig of an API run or a replay (C4's keys and RunContext, with the tapped engine).
+
+    ``calibrator`` / ``calibrations``: per-node tree calibrations (graphs/calibration.py); None keeps
+    every node on the engine's global policy. A re-execution passes the run's recorded versions.
+    """
     from elesium.graphs.context import run_config as context_config
 
     config = context_config(engine, run_seed=seed, run_id=run_id, thread_id=thread_id, tenant=tenant, log=log,
-                            workflow=workflow, mode=mode, metadata={"run_id": run_id}, recursion_limit=50)
+                            workflow=workflow, mode=mode, metadata={"run_id": run_id}, recursion_limit=50,
+                            calibrator=calibrator, calibrations=calibrations)
     if checkpoint_id:
         config["configurable"]["checkpoint_id"] = checkpoint_id
     return config
