@@ -1,6 +1,7 @@
 """Background runs of a shipped workflow through the queue: submit, execute on a worker, same result.
 
-The real engine and the real ``expense-approval`` workflow (one LLM call), a real Valkey.
+The real engine and the real ``expense-approval`` workflow (one LLM call), a real Valkey, and a real
+3-master Valkey cluster.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from elesium.state.queue import IdempotencyConflictError, RunQueue
 from elesium.state.queue_worker import QueueWorker
 from elesium.state.runs import RunStatus
 
-pytest_plugins = ["state_fixtures"]
+pytest_plugins = ["state_fixtures", "cluster_fixtures"]
 
 CLAIM = {"employee": "Ada", "amount": 42.5, "currency": "EUR", "category": "meals",
          "description": "team lunch with the new hires"}
@@ -41,8 +42,19 @@ def test_bad_input_writes_nothing(setup: tuple[WorkflowRunner, RunQueue, str]) -
     assert runner.runs.list_by_tenant("default") == []
 
 
-def test_queued_run_equals_a_direct_run(setup: tuple[WorkflowRunner, RunQueue, str]) -> None:
-    runner, queue, prefix = setup
+@pytest.fixture(params=["single", "cluster"])
+def any_setup(request: pytest.FixtureRequest, engine: Any) -> tuple[WorkflowRunner, RunQueue, str]:
+    """The whole service (queue, run registry, checkpoints, acceptance logs) on one server, then on a
+    3-master cluster."""
+    server = request.getfixturevalue("state_server").url if request.param == "single" \
+        else request.getfixturevalue("local_cluster").url
+    prefix = f"bg-{uuid.uuid4().hex[:8]}"
+    runner = WorkflowRunner(engine, server, prefix=prefix)
+    return runner, RunQueue.from_url(server, prefix=f"{prefix}:q"), prefix
+
+
+def test_queued_run_equals_a_direct_run(any_setup: tuple[WorkflowRunner, RunQueue, str]) -> None:
+    runner, queue, prefix = any_setup
     first = submit(runner, queue, "expense-approval", CLAIM, seed=7, idempotency_key="req-1")
     again = submit(runner, queue, "expense-approval", CLAIM, seed=7, idempotency_key="req-1")
     assert first.created and not again.created and again.run_id == first.run_id
