@@ -623,9 +623,18 @@ class RunQueue:
             pipe.execute()
 
     def release(self, lease: Lease) -> bool:
-        """Give the lease up without an outcome (shutdown hand-back): the run is reclaimed soon."""
+        """Give the lease up without an outcome (shutdown hand-back, Redis trouble).
+
+        The entry stays pending but is marked idle for a whole reclaim period, so the next
+        ``XAUTOCLAIM`` of any worker (within half a lease TTL) takes it, instead of waiting for the
+        entry to age.
+        """
         with self._guard():
-            return bool(int(self._release(keys=[lease.keys.lease], args=[lease.holder])))
+            released = bool(int(self._release(keys=[lease.keys.lease], args=[lease.holder])))
+            if released:
+                self.client.xclaim(self.stream_key, GROUP, lease.worker_id, 0, [lease.entry_id],
+                                   idle=self.reclaim_idle_ms + 1, justid=True)
+            return released
 
 
 def new_worker_id() -> str:

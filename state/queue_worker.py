@@ -10,8 +10,8 @@ calls itself; the other steps of other runs overlap them), plus:
   time, and turns what it learns into flags :meth:`Lease.check` raises on: lease lost, cancel
   requested (from any machine, through Redis), per-run timeout passed;
 * graceful stop (SIGTERM in ``elesium worker``): no new runs; in-flight ones get ``grace_s`` to
-  finish; the rest are handed back (lease released, entry left pending, so another worker resumes
-  them from their last checkpoint at once instead of after a lease timeout).
+  finish; the rest are handed back (lease released, entry left pending and marked idle, so another
+  worker resumes them from their last checkpoint within half a lease TTL, not after a lease timeout).
 
 The executor contract (C6): ``execute(run_id, lease) -> None``. Returning means the run succeeded
 (returning the string "interrupted" means it stopped at a LangGraph ``interrupt``);

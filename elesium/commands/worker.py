@@ -3,7 +3,7 @@
 Any number of these (on any number of machines) share one queue through Redis: ``REDIS_URL``, a
 ``redis+cluster://`` URL for a Redis Cluster, or the embedded server on a single machine. On SIGTERM
 or SIGINT the worker takes no new runs, lets in-flight ones finish for ``--grace`` seconds and hands
-the rest back, so another worker resumes them from their last checkpoint at once.
+the rest back, so another worker resumes them from their last checkpoint within half a lease TTL.
 
 ``--executor module:factory`` picks what a run executes: ``factory(args, queue)`` returns the C6
 callback ``execute(run_id, lease)``. The default runs the shipped workflows through
