@@ -25,6 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from elesium.graphs import WorkflowRunner
 from elesium.inference.engine import Engine
 from elesium.inference.tuning.node_calibration import stats_by_node
@@ -146,6 +148,78 @@ def node_figures(runner: WorkflowRunner, run_id: str) -> dict[str, dict[str, flo
     return out
 
 
+def modeled_ms(records: list[Any], cost: Any) -> float:
+    """Forward time the profile's cost curve predicts for these steps (load-independent)."""
+    return sum(cost(r.tree_size) for r in records)
+
+
+def analyse(data_dir: Path, out: Path | None) -> int:
+    """Re-read a finished benchmark's runs from its Valkey data dir and add the modeled throughput.
+
+    Measured runs have seeds >= 5000; of each (workflow, seed) pair, the run that recorded a node
+    version is the per-node arm (when neither did, both arms decoded with the same global policy and
+    the first run of the pair is taken as the global one, as the benchmark's alternation had it).
+    Modeled tokens/s = tokens / (sum over steps of the cpu-2t profile's cost(tree size)): what the
+    policies would give on an unloaded copy of the machine the profile was measured on.
+    """
+    from elesium.inference.tuning.profile import SHIPPED, TuneProfile
+    from elesium.state.acceptance_log import AcceptanceLog, Retention
+    from elesium.state.runs import RunRegistry, RunStatus
+
+    cost = TuneProfile.load(SHIPPED / "cpu-2t.json").cost_curve()
+    server = EmbeddedValkey(data_dir).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        key = next(iter(client.scan_iter(match="bench-*:runs:{registry}:run:*", count=1000))).decode()
+        prefix = key.split(":runs:")[0]
+        runs = RunRegistry.from_url(server.url, prefix=f"{prefix}:runs")
+        log = AcceptanceLog.from_url(server.url, prefix=f"{prefix}:acc", retention=Retention(maxlen=None))
+        records = sorted(runs.list_by_status(RunStatus.SUCCEEDED, limit=100_000), key=lambda r: r.created_at)
+        pairs: dict[tuple[str, int], list[Any]] = {}
+        for r in records:
+            if r.seeds["run"] >= 5000:
+                pairs.setdefault((r.workflow, r.seeds["run"]), []).append(r)
+        table: dict[str, Any] = {}
+        for (workflow, seed), pair in sorted(pairs.items()):
+            tagged = [any(v != "global" for v in r.calibrations.values()) for r in pair]
+            if any(tagged):
+                arms = {"node" if t else "global": r for t, r in zip(tagged, pair)}
+            else:
+                first = "global" if (seed - 5000) % 2 == 0 else "node"
+                arms = {first: pair[0], ("node" if first == "global" else "global"): pair[1]}
+            for arm, r in arms.items():
+                by_node: dict[str, list[Any]] = {}
+                for e in log.iter_entries(r.run_id):
+                    if e.kind == "step":
+                        by_node.setdefault(e.node_id, []).append(e.record)
+                for node, recs in by_node.items():
+                    row = table.setdefault(workflow, {}).setdefault(node, {"global": [], "node": []})
+                    tokens = sum(x.accepted_length for x in recs)
+                    row[arm].append({"tau": tokens / len(recs),
+                                     "tokens_per_s": tokens / sum(x.elapsed_s for x in recs),
+                                     "modeled_tokens_per_s": 1000 * tokens / modeled_ms(recs, cost),
+                                     "version": r.calibrations.get(node, "global")})
+        summary = {}
+        for workflow, nodes in table.items():
+            for node, row in sorted(nodes.items()):
+                med = {arm: {k: statistics.median(v[k] for v in vals)
+                             for k in ("tau", "tokens_per_s", "modeled_tokens_per_s")}
+                       for arm, vals in row.items() if vals}
+                med["version"] = sorted({v["version"] for v in row["node"]})
+                med["runs"] = min(len(v) for v in row.values() if isinstance(v, list))
+                summary[f"{workflow}/{node}"] = med
+                g, n = med["global"], med["node"]
+                print(f"{workflow}/{node} {med['version']} n={med['runs']}: "
+                      f"tau {g['tau']:.3f} -> {n['tau']:.3f}; "
+                      f"tokens/s {g['tokens_per_s']:.2f} -> {n['tokens_per_s']:.2f}; modeled "
+                      f"{g['modeled_tokens_per_s']:.2f} -> {n['modeled_tokens_per_s']:.2f}")
+        if out is not None:
+            (out / "analysis.json").write_text(json.dumps(summary, indent=1))
+    finally:
+        server.stop()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--learn", type=int, default=6, help="online-tuning runs per workflow")
@@ -154,7 +228,11 @@ def main() -> int:
     )
     ap.add_argument("--workflows", default="expense-approval,incident-summary,ticket-triage")
     ap.add_argument("--out", type=Path, default=None, help="write results.json here")
+    ap.add_argument("--analyse", type=Path, default=None,
+                    help="re-read a finished run's Valkey data dir (printed at the start) instead of running")
     args = ap.parse_args()
+    if args.analyse is not None:
+        return analyse(args.analyse, args.out)
     load = [os.getloadavg()]
     engine = Engine.load(device="cpu", dtype="float32", max_len=2048)
     print(
@@ -162,7 +240,9 @@ def main() -> int:
         f"nodes; load average {load[0]}",
         flush=True,
     )
-    server = EmbeddedValkey(Path(tempfile.mkdtemp(prefix="bench-calib-"))).start()
+    data_dir = Path(tempfile.mkdtemp(prefix="bench-calib-"))
+    print(f"state: embedded Valkey in {data_dir} (kept: --analyse reads it again)", flush=True)
+    server = EmbeddedValkey(data_dir).start()
     results: dict[str, Any] = {"learn": args.learn, "measure": args.measure, "workflows": {}}
     try:
         runner = WorkflowRunner(
