@@ -39,8 +39,16 @@ class Guard:
 
     async def _reply(self, send: Any, status: int, detail: str) -> None:
         body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -61,7 +69,9 @@ class Guard:
         if scope["path"] in DOC_PATHS and self.settings.auth:
             key = headers.get(b"x-api-key", b"").decode() or headers.get(b"authorization", b"").decode()[7:]
             if key.strip() not in self.settings.api_keys:
-                await self._reply(send, 401, "missing or invalid API key (send x-api-key or Authorization: Bearer)")
+                await self._reply(
+                    send, 401, "missing or invalid API key (send x-api-key or Authorization: Bearer)"
+                )
                 return
         status = {"code": 500}
         start = time.perf_counter()
@@ -78,7 +88,9 @@ class Guard:
             metrics = self.metrics_of()
             if metrics is not None:
                 metrics.requests.labels(route=route, method=scope["method"], status=str(status["code"])).inc()
-                metrics.latency.labels(route=route, method=scope["method"]).observe(time.perf_counter() - start)
+                metrics.latency.labels(route=route, method=scope["method"]).observe(
+                    time.perf_counter() - start
+                )
 
 
 def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Services:
@@ -102,10 +114,18 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
             metrics.checkpoint_latency.observe(time.perf_counter() - t0)
 
     saver.put = timed_put  # type: ignore[method-assign]
-    return Services(settings=settings, engine=engine, registry=registry, store=ThreadStore(client, target=target),
-                    saver=saver, acceptance=AcceptanceLog(client, target=target, retention=Retention(maxlen=None)),
-                    runs_registry=RunRegistry(client, target=target), worker=worker, metrics=metrics,
-                    tracing=Tracing(settings.otel_exporter, settings.model_name))
+    return Services(
+        settings=settings,
+        engine=engine,
+        registry=registry,
+        store=ThreadStore(client, target=target),
+        saver=saver,
+        acceptance=AcceptanceLog(client, target=target, retention=Retention(maxlen=None)),
+        runs_registry=RunRegistry(client, target=target),
+        worker=worker,
+        metrics=metrics,
+        tracing=Tracing(settings.otel_exporter, settings.model_name),
+    )
 
 
 def create_app(settings: ApiSettings | None = None, *, engine: Any = None, registry: Any = None) -> FastAPI:
@@ -133,9 +153,13 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
                 svc.worker.stop()
                 svc.tracing.shutdown()
 
-    app = FastAPI(title="Elesium", version="0.1.0", lifespan=lifespan,
-                  description="LangGraph-compatible agent runs on an exact speculative-decoding engine, "
-                              "audited in Redis. Auth: x-api-key or Authorization: Bearer.")
+    app = FastAPI(
+        title="Elesium",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="LangGraph-compatible agent runs on an exact speculative-decoding engine, "
+        "audited in Redis. Auth: x-api-key or Authorization: Bearer.",
+    )
     app.state.settings = settings
 
     def _install(app: FastAPI) -> None:
@@ -165,8 +189,10 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return JSONResponse({"detail": f"{where}: {first.get('msg')}", "errors": json.loads(
-            json.dumps(errors, default=str))}, status_code=422)
+        return JSONResponse(
+            {"detail": f"{where}: {first.get('msg')}", "errors": json.loads(json.dumps(errors, default=str))},
+            status_code=422,
+        )
 
     from elesium.state.errors import RedisUnavailableError, StateError
 
@@ -178,5 +204,7 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
     async def _state(request: Request, exc: StateError) -> JSONResponse:
         return JSONResponse({"detail": str(exc).splitlines()[0]}, status_code=409)
 
-    app.add_middleware(Guard, settings=settings, metrics_of=lambda: getattr(holder.get("svc"), "metrics", None))
+    app.add_middleware(
+        Guard, settings=settings, metrics_of=lambda: getattr(holder.get("svc"), "metrics", None)
+    )
     return app

@@ -51,5 +51,8 @@ def principal(request: Request) -> Principal:
         for known, tenant in settings.api_keys.items():
             if hmac.compare_digest(known.encode(), key.encode()):
                 return Principal(tenant=tenant, key_id=key_id(known))
-    raise HTTPException(status_code=401, detail="missing or invalid API key (send x-api-key or "
-                        "Authorization: Bearer)", headers={"WWW-Authenticate": "Bearer"})
+    raise HTTPException(
+        status_code=401,
+        detail="missing or invalid API key (send x-api-key or Authorization: Bearer)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

@@ -56,7 +56,8 @@ class ElesiumClient:
 
     Args:
         url: the server, e.g. ``http://127.0.0.1:8123``.
-        api_key: sent as ``x-api-key`` (None: langgraph-sdk's environment variables, no key for Elesium routes).
+        api_key: sent as ``x-api-key`` (None: langgraph-sdk reads its environment variables; Elesium
+            routes then go without a key).
         timeout: seconds for Elesium routes (a replay re-runs the whole thread on the engine).
     """
 
@@ -89,7 +90,9 @@ class ElesiumClient:
         r = self._http.get("/readyz")
         return {"ready": r.status_code == 200, **r.json()}
 
-    def acceptance(self, thread_id: str, run_id: str, *, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
+    def acceptance(
+        self, thread_id: str, run_id: str, *, limit: int = 100, cursor: str | None = None
+    ) -> dict[str, Any]:
         """One page of the run's acceptance log, with its summary (tau, per depth, per node)."""
         params: dict[str, Any] = {"limit": limit}
         if cursor:
@@ -138,14 +141,17 @@ class AsyncElesiumClient:
     async def whoami(self) -> dict[str, Any]:
         return _check(await self._http.get("/elesium/whoami"))
 
-    async def acceptance(self, thread_id: str, run_id: str, *, limit: int = 100,
-                         cursor: str | None = None) -> dict[str, Any]:
+    async def acceptance(
+        self, thread_id: str, run_id: str, *, limit: int = 100, cursor: str | None = None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
         if cursor:
             params["cursor"] = cursor
         return _check(await self._http.get(f"/threads/{thread_id}/runs/{run_id}/acceptance", params=params))
 
-    async def acceptance_entries(self, thread_id: str, run_id: str, *, page: int = 500) -> AsyncIterator[dict[str, Any]]:
+    async def acceptance_entries(
+        self, thread_id: str, run_id: str, *, page: int = 500
+    ) -> AsyncIterator[dict[str, Any]]:
         cursor: str | None = None
         while True:
             body = await self.acceptance(thread_id, run_id, limit=page, cursor=cursor)
@@ -156,7 +162,9 @@ class AsyncElesiumClient:
                 return
 
     async def replay(self, thread_id: str, run_id: str, mode: ReplayMode = "reexecute") -> dict[str, Any]:
-        return _check(await self._http.post(f"/threads/{thread_id}/runs/{run_id}/replay", json={"mode": mode}))
+        return _check(
+            await self._http.post(f"/threads/{thread_id}/runs/{run_id}/replay", json={"mode": mode})
+        )
 
     async def replays(self, thread_id: str, run_id: str) -> list[dict[str, Any]]:
         return _check(await self._http.get(f"/threads/{thread_id}/runs/{run_id}/replays"))

@@ -93,7 +93,9 @@ class Services:
             try:
                 return self.registry.get(name)
             except KeyError:
-                raise HTTPException(status_code=409, detail=f"workflow {name!r} is no longer registered") from None
+                raise HTTPException(
+                    status_code=409, detail=f"workflow {name!r} is no longer registered"
+                ) from None
 
     def graph(self, workflow: Any) -> Any:
         key = (workflow.name, workflow.version)
@@ -130,8 +132,11 @@ class Services:
         if mode not in modes and mode == "speculative" and "medusa" in modes:
             return "medusa"
         if mode not in modes:
-            raise HTTPException(status_code=422, detail=f"decode mode {requested!r} is not available on this engine "
-                                f"(available: {', '.join(modes)})")
+            raise HTTPException(
+                status_code=422,
+                detail=f"decode mode {requested!r} is not available on this engine "
+                f"(available: {', '.join(modes)})",
+            )
         return mode
 
     # ---------------------------------------------------------------- threads
@@ -141,8 +146,13 @@ class Services:
             raise not_found("thread", thread_id)
         return row
 
-    def create_thread(self, who: Principal, thread_id: str | None = None, metadata: dict[str, Any] | None = None,
-                      if_exists: str | None = None) -> ThreadRow:
+    def create_thread(
+        self,
+        who: Principal,
+        thread_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        if_exists: str | None = None,
+    ) -> ThreadRow:
         tid = thread_id or str(uuid.uuid4())
         row = self.store.create_thread(ThreadRow(thread_id=tid, tenant=who.tenant, metadata=metadata or {}))
         if row is None:
@@ -157,22 +167,32 @@ class Services:
         """Validate a run request against the thread and the workflow; write nothing (4xx on bad input)."""
         unsupported = [m for m in body.modes if m not in SUPPORTED_STREAM_MODES]
         if unsupported:
-            raise HTTPException(status_code=422, detail=f"stream_mode {unsupported[0]!r} is not supported; use "
-                                f"{', '.join(SUPPORTED_STREAM_MODES)}")
+            raise HTTPException(
+                status_code=422,
+                detail=f"stream_mode {unsupported[0]!r} is not supported; use "
+                f"{', '.join(SUPPORTED_STREAM_MODES)}",
+            )
         if body.multitask_strategy not in (None, "reject"):
             raise HTTPException(status_code=422, detail="only multitask_strategy='reject' is supported")
         wf = self.resolve_assistant(body.assistant_id)
         if thread.graph_id and thread.graph_id.partition("@")[0] != wf.name:
-            raise HTTPException(status_code=409, detail=f"thread {thread.thread_id!r} belongs to workflow "
-                                f"{thread.graph_id.partition('@')[0]!r}, not {wf.name!r}")
+            raise HTTPException(
+                status_code=409,
+                detail=f"thread {thread.thread_id!r} belongs to workflow "
+                f"{thread.graph_id.partition('@')[0]!r}, not {wf.name!r}",
+            )
         if thread.status == "busy":
-            raise HTTPException(status_code=409, detail=f"thread {thread.thread_id!r} has a run in progress "
-                                "(multitask_strategy=reject)")
+            raise HTTPException(
+                status_code=409,
+                detail=f"thread {thread.thread_id!r} has a run in progress (multitask_strategy=reject)",
+            )
         if body.input is not None and body.command is not None:
             raise HTTPException(status_code=422, detail="send input or command, not both")
         request: dict[str, Any] = {}
         if body.input is not None:
-            request["input"] = _validated(wf.input_model, body.input, f"invalid input for workflow {wf.name!r}")
+            request["input"] = _validated(
+                wf.input_model, body.input, f"invalid input for workflow {wf.name!r}"
+            )
         if body.command is not None:
             command = body.command.model_dump(exclude_none=True)
             if "resume" in body.command.model_fields_set:
@@ -180,24 +200,33 @@ class Services:
             if not command:
                 raise HTTPException(status_code=422, detail="command is empty; send resume, update or goto")
             if "resume" in command and thread.status != "interrupted":
-                raise HTTPException(status_code=409, detail=f"thread {thread.thread_id!r} is not waiting at an "
-                                    "interrupt; nothing to resume")
+                raise HTTPException(
+                    status_code=409,
+                    detail=f"thread {thread.thread_id!r} is not waiting at an interrupt; nothing to resume",
+                )
             if "resume" in command and getattr(wf, "resume_model", None) is not None:
-                command["resume"] = _validated(wf.resume_model, command["resume"],
-                                               f"invalid resume value for workflow {wf.name!r}")
+                command["resume"] = _validated(
+                    wf.resume_model, command["resume"], f"invalid resume value for workflow {wf.name!r}"
+                )
             request["command"] = command
         fork = body.fork_checkpoint
         if fork:
             graph = self.graph(wf)
-            cfg = {"configurable": {"thread_id": thread.thread_id, "checkpoint_ns": "", "checkpoint_id": fork}}
+            cfg = {
+                "configurable": {"thread_id": thread.thread_id, "checkpoint_ns": "", "checkpoint_id": fork}
+            }
             if graph.checkpointer.get_tuple(cfg) is None:
                 raise not_found("checkpoint", fork)
             request["checkpoint_id"] = fork
         if not request:
-            raise HTTPException(status_code=422, detail="send an input, a command, or a checkpoint to resume from")
+            raise HTTPException(
+                status_code=422, detail="send an input, a command, or a checkpoint to resume from"
+            )
         configurable = (body.config or {}).get("configurable") or {}
         seed = body.seed if body.seed is not None else configurable.get("run_seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        if seed is not None and (
+            not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63
+        ):
             raise HTTPException(status_code=422, detail="run seed must be an integer in [0, 2**63)")
         request["stream_mode"] = body.modes
         # The effective decode mode is recorded even when the engine chose it: a replay on an engine whose
@@ -208,12 +237,19 @@ class Services:
             previous = self.store.list_runs(thread.thread_id, thread.tenant, limit=1)
             requested = previous[0].request.get("mode") if previous else None
         request["mode"] = self.decode_mode(requested or self.engine.default_mode)
-        row = RunRow(run_id=str(uuid.uuid4()), thread_id=thread.thread_id, tenant=who.tenant,
-                     assistant_id=assistant_id_of(wf), workflow=wf.name, workflow_version=wf.version,
-                     metadata=body.metadata or {}, request=request,
-                     seed=int(seed) if seed is not None else secrets.randbits(63),
-                     approver=who.identity if "command" in request and "resume" in request["command"] else None,
-                     fingerprint=self.fingerprint(request.get("mode")))
+        row = RunRow(
+            run_id=str(uuid.uuid4()),
+            thread_id=thread.thread_id,
+            tenant=who.tenant,
+            assistant_id=assistant_id_of(wf),
+            workflow=wf.name,
+            workflow_version=wf.version,
+            metadata=body.metadata or {},
+            request=request,
+            seed=int(seed) if seed is not None else secrets.randbits(63),
+            approver=who.identity if "command" in request and "resume" in request["command"] else None,
+            fingerprint=self.fingerprint(request.get("mode")),
+        )
         return wf, row
 
     def start_run(self, wf: Any, row: RunRow) -> RunChannel:
@@ -224,10 +260,17 @@ class Services:
         self.store.update_thread(row.thread_id, status="busy", graph_id=f"{wf.name}@{wf.version}")
         if self.runs_registry is not None:
             try:
-                self.runs_registry.create(RunRecord(
-                    run_id=row.run_id, workflow=wf.name, workflow_version=wf.version,
-                    input_hash=hash_input(row.request), seeds={"run": row.seed}, tenant=row.tenant,
-                    **_optional_record_fields(row)))
+                self.runs_registry.create(
+                    RunRecord(
+                        run_id=row.run_id,
+                        workflow=wf.name,
+                        workflow_version=wf.version,
+                        input_hash=hash_input(row.request),
+                        seeds={"run": row.seed},
+                        tenant=row.tenant,
+                        **_optional_record_fields(row),
+                    )
+                )
             except Exception:  # noqa: BLE001 - the registry is a secondary index; the run still runs
                 log.exception("run registry create failed for %s", row.run_id)
         self._forget_old_channels()
@@ -273,11 +316,25 @@ class Services:
             self.store.update_run(row.run_id, status="running")
             self._registry_status(row.run_id, "running")
             graph = self.graph(wf)
-            config = rp.run_config(row.thread_id, row.run_id, row.seed, row.tenant, tap,
-                                   checkpoint_id=row.request.get("checkpoint_id"), log=self.acceptance,
-                                   workflow=wf.name, mode=row.request.get("mode"))
-            outcome = rp.drive(graph, rp.command_from(row.request), config, emit=emit, cancelled=channel.cancel,
-                               stream_modes=graph_modes)
+            config = rp.run_config(
+                row.thread_id,
+                row.run_id,
+                row.seed,
+                row.tenant,
+                tap,
+                checkpoint_id=row.request.get("checkpoint_id"),
+                log=self.acceptance,
+                workflow=wf.name,
+                mode=row.request.get("mode"),
+            )
+            outcome = rp.drive(
+                graph,
+                rp.command_from(row.request),
+                config,
+                emit=emit,
+                cancelled=channel.cancel,
+                stream_modes=graph_modes,
+            )
             status, error = outcome.status, outcome.error
             self.store.update_run(row.run_id, status=status, checkpoints=outcome.checkpoints, error=error)
         except rp.RunCancelled:
@@ -295,13 +352,19 @@ class Services:
             channel.close()
 
     def _after_run(self, wf: Any, row: RunRow, tap: rp.TappedEngine, status: str, error: str | None) -> None:
-        thread_status = {"success": "idle", "interrupted": "interrupted", "error": "error"}.get(status, "idle")
+        thread_status = {"success": "idle", "interrupted": "interrupted", "error": "error"}.get(
+            status, "idle"
+        )
         if error == "cancelled":
             thread_status = "idle"
         self.store.update_thread(row.thread_id, status=thread_status)
-        self._registry_status(row.run_id, {"success": "succeeded", "interrupted": "interrupted",
-                                           "error": "failed"}.get(status, "failed")
-                              if error != "cancelled" else "cancelled", error)
+        self._registry_status(
+            row.run_id,
+            {"success": "succeeded", "interrupted": "interrupted", "error": "failed"}.get(status, "failed")
+            if error != "cancelled"
+            else "cancelled",
+            error,
+        )
         self.metrics.runs.labels(status=status if error != "cancelled" else "cancelled").inc()
         for call in tap.calls:
             self.metrics.generated_tokens.inc(len(call.token_ids))
@@ -314,7 +377,9 @@ class Services:
         """Drop event channels of runs that ended more than ``keep_s`` ago (a late ``join`` then reads the
         final state from Redis; only the streamed events are gone)."""
         now = time.monotonic()
-        for rid in [r for r, c in self.channels.items() if c.closed_at is not None and now - c.closed_at > keep_s]:
+        for rid in [
+            r for r, c in self.channels.items() if c.closed_at is not None and now - c.closed_at > keep_s
+        ]:
             self.channels.pop(rid, None)
 
     def channel_or_none(self, run_id: str) -> RunChannel | None:

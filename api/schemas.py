@@ -12,8 +12,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-StreamModeName = Literal["values", "updates", "messages", "messages-tuple", "custom", "events", "debug",
-                         "tasks", "checkpoints", "lifecycle", "tools"]
+StreamModeName = Literal[
+    "values",
+    "updates",
+    "messages",
+    "messages-tuple",
+    "custom",
+    "events",
+    "debug",
+    "tasks",
+    "checkpoints",
+    "lifecycle",
+    "tools",
+]
 SUPPORTED_STREAM_MODES = ("values", "updates", "messages", "messages-tuple", "custom")
 
 
@@ -55,8 +66,10 @@ class RunCreate(Loose):
     @classmethod
     def _no_static_interrupts(cls, v: Any) -> Any:
         if v:
-            raise ValueError("static interrupt_before/interrupt_after are not supported; workflows declare "
-                             "their approval points with interrupt()")
+            raise ValueError(
+                "static interrupt_before/interrupt_after are not supported; workflows declare "
+                "their approval points with interrupt()"
+            )
         return v
 
     @property

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn: in the foreground (``elesium serve``) or on a background thread (demo, tests)."""
+"""Running the app under uvicorn on a background thread (the demo and the tests; ``elesium serve`` runs it in
+the foreground)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BackgroundServer:
     """uvicorn on a daemon thread; ``with BackgroundServer(app) as url:`` serves until the block ends."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning") -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"
+    ) -> None:
         import uvicorn
 
         self.host, self.port = host, port or free_port(host)

@@ -68,5 +68,9 @@ class ApiSettings:
         exporter = os.environ.get("ELESIUM_OTEL_EXPORTER", "none").strip().lower() or "none"
         if exporter not in ("none", "console", "otlp"):
             raise ValueError(f"ELESIUM_OTEL_EXPORTER={exporter!r}: use console, otlp or none")
-        return cls(api_keys=keys, auth=auth, redis_url=redis_url or os.environ.get("REDIS_URL"),
-                   otel_exporter=exporter)
+        return cls(
+            api_keys=keys,
+            auth=auth,
+            redis_url=redis_url or os.environ.get("REDIS_URL"),
+            otel_exporter=exporter,
+        )

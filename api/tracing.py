@@ -23,7 +23,11 @@ class Tracing:
             return
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+            SimpleSpanProcessor,
+        )
 
         if span_exporter is not None:
             provider = TracerProvider(resource=Resource.create({"service.name": "elesium"}))
@@ -35,8 +39,9 @@ class Tracing:
             try:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             except ImportError as exc:
-                raise ValueError("ELESIUM_OTEL_EXPORTER=otlp needs opentelemetry-exporter-otlp-proto-http "
-                                 "installed") from exc
+                raise ValueError(
+                    "ELESIUM_OTEL_EXPORTER=otlp needs opentelemetry-exporter-otlp-proto-http installed"
+                ) from exc
             self.exporter = OTLPSpanExporter()
         else:
             self.exporter = ConsoleSpanExporter()
@@ -56,7 +61,9 @@ class Tracing:
                     span.set_attribute(k, v)
             yield span
 
-    def run_spans(self, workflow: str, run_id: str, thread_id: str, calls: list[Any], nodes: list[str]) -> None:
+    def run_spans(
+        self, workflow: str, run_id: str, thread_id: str, calls: list[Any], nodes: list[str]
+    ) -> None:
         """Emit the spans of a finished run: workflow, its nodes, and its LLM calls with token usage.
 
         Recorded after the fact from the run's record (node order, LLM calls), which keeps tracing
@@ -64,17 +71,30 @@ class Tracing:
         """
         if self.tracer is None:
             return
-        with self.span(f"invoke_workflow {workflow}", **{"gen_ai.operation.name": "invoke_workflow",
-                                                        "elesium.run_id": run_id, "elesium.thread_id": thread_id}):
+        with self.span(
+            f"invoke_workflow {workflow}",
+            **{
+                "gen_ai.operation.name": "invoke_workflow",
+                "elesium.run_id": run_id,
+                "elesium.thread_id": thread_id,
+            },
+        ):
             for node in nodes:
                 with self.span(f"langgraph.node {node}", **{"langgraph.node": node}):
                     for c in [c for c in calls if c.node == node]:
-                        with self.span(f"chat {self.model}", **{
-                                "gen_ai.operation.name": "chat", "gen_ai.system": "elesium",
-                                "gen_ai.request.model": self.model, "gen_ai.request.seed": c.seed,
+                        with self.span(
+                            f"chat {self.model}",
+                            **{
+                                "gen_ai.operation.name": "chat",
+                                "gen_ai.system": "elesium",
+                                "gen_ai.request.model": self.model,
+                                "gen_ai.request.seed": c.seed,
                                 "gen_ai.usage.input_tokens": c.prompt_tokens,
                                 "gen_ai.usage.output_tokens": len(c.token_ids),
-                                "gen_ai.response.finish_reasons": [c.finish_reason], "elesium.call": c.call}):
+                                "gen_ai.response.finish_reasons": [c.finish_reason],
+                                "elesium.call": c.call,
+                            },
+                        ):
                             pass
 
     def shutdown(self) -> None:

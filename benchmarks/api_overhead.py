@@ -88,7 +88,9 @@ def main() -> None:
         # on the main thread was 4x slower than on a secondary thread here (OpenMP team spin-waits), which
         # would flatter the server.
         worker = EngineWorker("bench-in-process")
-        worker.submit(lambda: engine.generate("warm up", SamplingParams(max_tokens=4), mode="vanilla")).result()
+        worker.submit(
+            lambda: engine.generate("warm up", SamplingParams(max_tokens=4), mode="vanilla")
+        ).result()
 
         def in_process_run(i: int) -> float:
             tid = f"bench-{i}-{time.time_ns()}"
@@ -99,14 +101,18 @@ def main() -> None:
 
         def engine_ttft() -> float:
             t0 = time.perf_counter()
-            stream = engine.stream(PROMPT.format(topic="rivers"), SamplingParams(max_tokens=16), mode="vanilla")
+            stream = engine.stream(
+                PROMPT.format(topic="rivers"), SamplingParams(max_tokens=16), mode="vanilla"
+            )
             next(iter(stream))
             elapsed = time.perf_counter() - t0
             stream.close()
             return elapsed
 
         key = "bench-key"
-        app = create_app(ApiSettings(api_keys={key: "bench"}, redis_url=valkey.url), engine=engine, registry=registry)
+        app = create_app(
+            ApiSettings(api_keys={key: "bench"}, redis_url=valkey.url), engine=engine, registry=registry
+        )
         in_process, ttft_engine, over_http, ttft_run, ttft_chat = [], [], [], [], []
         rule_in_process, rule_over_http = [], []
         rule_graph = rule.build(saver)
@@ -117,7 +123,9 @@ def main() -> None:
                 tid = f"rule-{i}-{time.time_ns()}"
                 config = rp.run_config(tid, tid, 1, "bench", rp.TappedEngine(engine), workflow=rule.name)
                 t0 = time.perf_counter()
-                worker.submit(lambda config=config: rp.drive(rule_graph, {"topic": "rivers"}, config)).result()
+                worker.submit(
+                    lambda config=config: rp.drive(rule_graph, {"topic": "rivers"}, config)
+                ).result()
                 rule_in_process.append(time.perf_counter() - t0)
                 tid = client.threads.create()["thread_id"]
                 t0 = time.perf_counter()
@@ -128,18 +136,30 @@ def main() -> None:
                 ttft_engine.append(worker.submit(engine_ttft).result())
                 tid = client.threads.create()["thread_id"]
                 t0 = time.perf_counter()
-                client.runs.wait(tid, "bench-say", input={"topic": "rivers"}, config={"configurable": {"run_seed": 1}})
+                client.runs.wait(
+                    tid, "bench-say", input={"topic": "rivers"}, config={"configurable": {"run_seed": 1}}
+                )
                 over_http.append(time.perf_counter() - t0)
                 tid = client.threads.create()["thread_id"]
                 t0 = time.perf_counter()
-                for part in client.runs.stream(tid, "bench-say", input={"topic": "rivers"},
-                                               stream_mode="messages-tuple", on_disconnect="continue"):
+                for part in client.runs.stream(
+                    tid,
+                    "bench-say",
+                    input={"topic": "rivers"},
+                    stream_mode="messages-tuple",
+                    on_disconnect="continue",
+                ):
                     if part.event == "messages":
                         ttft_run.append(time.perf_counter() - t0)
                         break
                 client.runs.join(tid, client.runs.list(tid)[0]["run_id"])
-                body = {"model": "elesium", "stream": True, "max_tokens": 16, "mode": "vanilla",
-                        "messages": [{"role": "user", "content": PROMPT.format(topic="rivers")}]}
+                body = {
+                    "model": "elesium",
+                    "stream": True,
+                    "max_tokens": 16,
+                    "mode": "vanilla",
+                    "messages": [{"role": "user", "content": PROMPT.format(topic="rivers")}],
+                }
                 t0 = time.perf_counter()
                 with http.stream("POST", "/v1/chat/completions", json=body) as r:
                     for line in r.iter_lines():
@@ -156,15 +176,27 @@ def main() -> None:
         return round(statistics.median(xs) * 1000, 1)
 
     result = {
-        "runs": args.runs, "workflow": "1 LLM node, 16 greedy tokens, vanilla",
-        "rule_runs": len(rule_in_process), "rule_in_process_ms": ms(rule_in_process),
+        "runs": args.runs,
+        "workflow": "1 LLM node, 16 greedy tokens, vanilla",
+        "rule_runs": len(rule_in_process),
+        "rule_in_process_ms": ms(rule_in_process),
         "rule_over_http_ms": ms(rule_over_http),
         "rule_api_overhead_ms": round(ms(rule_over_http) - ms(rule_in_process), 1),
-        "run_in_process_ms": ms(in_process), "run_over_http_ms": ms(over_http),
+        "run_in_process_ms": ms(in_process),
+        "run_over_http_ms": ms(over_http),
         "api_overhead_ms": round(ms(over_http) - ms(in_process), 1),
-        "ttft_engine_ms": ms(ttft_engine), "ttft_runs_stream_ms": ms(ttft_run), "ttft_chat_stream_ms": ms(ttft_chat),
-        "raw_s": {"rule_in_process": rule_in_process, "rule_over_http": rule_over_http, "in_process": in_process, "over_http": over_http, "ttft_engine": ttft_engine,
-                  "ttft_run": ttft_run, "ttft_chat": ttft_chat},
+        "ttft_engine_ms": ms(ttft_engine),
+        "ttft_runs_stream_ms": ms(ttft_run),
+        "ttft_chat_stream_ms": ms(ttft_chat),
+        "raw_s": {
+            "rule_in_process": rule_in_process,
+            "rule_over_http": rule_over_http,
+            "in_process": in_process,
+            "over_http": over_http,
+            "ttft_engine": ttft_engine,
+            "ttft_run": ttft_run,
+            "ttft_chat": ttft_chat,
+        },
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -77,10 +77,15 @@ class Divergence(BaseModel):
     replayed: Any = None
 
     def describe(self) -> str:
-        where = ", ".join(f"{k}={v}" for k, v in (("run", self.run_id), ("node", self.node), ("call", self.call),
-                                                   ("step", self.step)) if v is not None)
-        return f"diverged at {where or 'start'} field {self.field}: recorded {self.recorded!r}, " \
-               f"replayed {self.replayed!r}"
+        where = ", ".join(
+            f"{k}={v}"
+            for k, v in (("run", self.run_id), ("node", self.node), ("call", self.call), ("step", self.step))
+            if v is not None
+        )
+        return (
+            f"diverged at {where or 'start'} field {self.field}: recorded {self.recorded!r}, "
+            f"replayed {self.replayed!r}"
+        )
 
 
 def prompt_digest(engine: Any, prompt: Any, raw: bool) -> tuple[str, int]:
@@ -109,9 +114,14 @@ class TappedEngine:
     mode serve ``recorded`` calls instead of generating.
     """
 
-    def __init__(self, engine: Any, *, recorded: list[LLMCall] | None = None,
-                 on_chunk: Callable[[str, int, str], None] | None = None,
-                 cancelled: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        recorded: list[LLMCall] | None = None,
+        on_chunk: Callable[[str, int, str], None] | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> None:
         self._engine = engine
         self._recorded = {(c.node, c.call): c for c in recorded} if recorded is not None else None
         self.on_chunk = on_chunk
@@ -130,8 +140,11 @@ class TappedEngine:
         if self._recorded is None:
             return []
         done = {(c.node, c.call) for c in self.calls}
-        return [c for k, c in sorted(self._recorded.items(), key=lambda kv: (kv[1].node, kv[1].call))
-                if k not in done]
+        return [
+            c
+            for k, c in sorted(self._recorded.items(), key=lambda kv: (kv[1].node, kv[1].call))
+            if k not in done
+        ]
 
     def generate(self, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
         stream = self.stream(prompt, params, **kwargs)
@@ -139,8 +152,16 @@ class TappedEngine:
             pass
         return stream.result
 
-    def stream(self, prompt: Any, params: Any = None, *, mode: Any = None, raw: bool = False,
-               on_step: Callable[[Any], None] | None = None, **kwargs: Any) -> _TappedStream:
+    def stream(
+        self,
+        prompt: Any,
+        params: Any = None,
+        *,
+        mode: Any = None,
+        raw: bool = False,
+        on_step: Callable[[Any], None] | None = None,
+        **kwargs: Any,
+    ) -> _TappedStream:
         node = current_node()
         with self._lock:
             index = self._counters.get(node, 0)
@@ -151,13 +172,19 @@ class TappedEngine:
         if self._recorded is not None:
             rec = self._recorded.get((node, index))
             if rec is None or rec.prompt_sha256 != digest:
-                raise DivergenceError(Divergence(
-                    node=node, call=index, field="path" if rec is None else "prompt",
-                    recorded=None if rec is None else rec.prompt_sha256[:16],
-                    replayed=f"llm call {node}#{index}" if rec is None else digest[:16]))
+                raise DivergenceError(
+                    Divergence(
+                        node=node,
+                        call=index,
+                        field="path" if rec is None else "prompt",
+                        recorded=None if rec is None else rec.prompt_sha256[:16],
+                        replayed=f"llm call {node}#{index}" if rec is None else digest[:16],
+                    )
+                )
             return _TappedStream(self, node, index, None, rec)
-        inner = self._engine.stream(prompt, params, mode=mode, raw=raw,
-                                    on_step=self._step_hook(node, on_step), **kwargs)
+        inner = self._engine.stream(
+            prompt, params, mode=mode, raw=raw, on_step=self._step_hook(node, on_step), **kwargs
+        )
         return _TappedStream(self, node, index, inner, None, digest=digest, n_prompt=n_prompt)
 
     def _step_hook(self, node: str, user: Callable[[Any], None] | None) -> Callable[[Any], None]:
@@ -165,14 +192,24 @@ class TappedEngine:
             self.steps.append((node, record))
             if user is not None:
                 user(record)
+
         return hook
 
 
 class _TappedStream:
     """Wraps a GenerationStream (or a recorded call) with recording, chunk forwarding and cancellation."""
 
-    def __init__(self, tap: TappedEngine, node: str, index: int, inner: Any, rec: LLMCall | None, *,
-                 digest: str = "", n_prompt: int = 0) -> None:
+    def __init__(
+        self,
+        tap: TappedEngine,
+        node: str,
+        index: int,
+        inner: Any,
+        rec: LLMCall | None,
+        *,
+        digest: str = "",
+        n_prompt: int = 0,
+    ) -> None:
         self.tap, self.node, self.index, self.inner, self.rec = tap, node, index, inner, rec
         self.digest, self.n_prompt = digest, n_prompt
         self._result: Any = None
@@ -202,8 +239,15 @@ class _TappedStream:
             if self.tap.on_chunk is not None and rec.text:
                 self.tap.on_chunk(self.node, self.index, rec.text)
             yield Chunk(rec.text, tuple(rec.token_ids))
-            self._result = Generation(text=rec.text, token_ids=tuple(rec.token_ids), prompt_tokens=rec.prompt_tokens,
-                                      finish_reason=rec.finish_reason, mode=rec.mode, seed=rec.seed, elapsed_s=0.0)
+            self._result = Generation(
+                text=rec.text,
+                token_ids=tuple(rec.token_ids),
+                prompt_tokens=rec.prompt_tokens,
+                finish_reason=rec.finish_reason,
+                mode=rec.mode,
+                seed=rec.seed,
+                elapsed_s=0.0,
+            )
             self.tap.calls.append(rec)
             return
         finished = False
@@ -221,11 +265,21 @@ class _TappedStream:
         gen = self.inner.result
         self._result = gen
         steps = len(gen.steps)
-        self.tap.calls.append(LLMCall(
-            node=self.node, call=self.index, seed=int(gen.seed), mode=str(gen.mode), prompt_sha256=self.digest,
-            prompt_tokens=gen.prompt_tokens, token_ids=list(gen.token_ids), text=gen.text,
-            finish_reason=str(gen.finish_reason), steps=steps,
-            accepted=sum(max(0, s.accepted_length - 1) for s in gen.steps)))
+        self.tap.calls.append(
+            LLMCall(
+                node=self.node,
+                call=self.index,
+                seed=int(gen.seed),
+                mode=str(gen.mode),
+                prompt_sha256=self.digest,
+                prompt_tokens=gen.prompt_tokens,
+                token_ids=list(gen.token_ids),
+                text=gen.text,
+                finish_reason=str(gen.finish_reason),
+                steps=steps,
+                accepted=sum(max(0, s.accepted_length - 1) for s in gen.steps),
+            )
+        )
 
 
 # ---------------------------------------------------------------- serialisation and comparison
@@ -263,7 +317,7 @@ def first_difference(recorded: Any, replayed: Any, path: str = "") -> tuple[str,
                 return found
         return None
     if isinstance(recorded, list) and isinstance(replayed, list):
-        for i, (a, b) in enumerate(zip(recorded, replayed)):
+        for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
             found = first_difference(a, b, f"{path}[{i}]")
             if found:
                 return found
@@ -292,10 +346,19 @@ def checkpoint_ids(graph: Any, thread_id: str) -> list[str]:
     return list(reversed(ids))
 
 
-def run_config(thread_id: str, run_id: str, seed: int, tenant: str, engine: Any,
-               checkpoint_id: str | None = None, log: Any = None, workflow: str = "",
-               mode: str | None = None, calibrator: Any = None,
-               calibrations: dict[str, str] | None = None) -> dict[str, Any]:
+def run_config(
+    thread_id: str,
+    run_id: str,
+    seed: int,
+    tenant: str,
+    engine: Any,
+    checkpoint_id: str | None = None,
+    log: Any = None,
+    workflow: str = "",
+    mode: str | None = None,
+    calibrator: Any = None,
+    calibrations: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The RunnableConfig of an API run or a replay (C4's keys and RunContext, with the tapped engine).
 
     ``calibrator`` / ``calibrations``: per-node tree calibrations (graphs/calibration.py); None keeps
@@ -303,16 +366,34 @@ def run_config(thread_id: str, run_id: str, seed: int, tenant: str, engine: Any,
     """
     from elesium.graphs.context import run_config as context_config
 
-    config = context_config(engine, run_seed=seed, run_id=run_id, thread_id=thread_id, tenant=tenant, log=log,
-                            workflow=workflow, mode=mode, metadata={"run_id": run_id}, recursion_limit=50,
-                            calibrator=calibrator, calibrations=calibrations)
+    config = context_config(
+        engine,
+        run_seed=seed,
+        run_id=run_id,
+        thread_id=thread_id,
+        tenant=tenant,
+        log=log,
+        workflow=workflow,
+        mode=mode,
+        metadata={"run_id": run_id},
+        recursion_limit=50,
+        calibrator=calibrator,
+        calibrations=calibrations,
+    )
     if checkpoint_id:
         config["configurable"]["checkpoint_id"] = checkpoint_id
     return config
 
 
-def drive(graph: Any, graph_input: Any, config: dict[str, Any], *, emit: Emit | None = None,
-          cancelled: threading.Event | None = None, stream_modes: tuple[str, ...] = ("values", "updates")) -> Outcome:
+def drive(
+    graph: Any,
+    graph_input: Any,
+    config: dict[str, Any],
+    *,
+    emit: Emit | None = None,
+    cancelled: threading.Event | None = None,
+    stream_modes: tuple[str, ...] = ("values", "updates"),
+) -> Outcome:
     """Run ``graph`` once (input, or a ``Command`` to resume) and report how it ended.
 
     ``emit(mode, chunk)`` receives each streamed part (JSON-ready). Raises :class:`RunCancelled` when
@@ -393,39 +474,68 @@ class RecordedRun:
     status: str
 
 
-def compare_calls(run_id: str, recorded: list[LLMCall], replayed: list[LLMCall]) -> tuple[Divergence | None, int]:
+def compare_calls(
+    run_id: str, recorded: list[LLMCall], replayed: list[LLMCall]
+) -> tuple[Divergence | None, int]:
     """First token-level difference between two runs' LLM calls, and the number of tokens compared."""
     compared = 0
     rec_by = {(c.node, c.call): c for c in recorded}
     rep_by = {(c.node, c.call): c for c in replayed}
     for r in replayed:
         if (r.node, r.call) not in rec_by:
-            return Divergence(run_id=run_id, node=r.node, call=r.call, field="path",
-                              recorded=None, replayed=f"llm call {r.node}#{r.call}"), compared
+            return Divergence(
+                run_id=run_id,
+                node=r.node,
+                call=r.call,
+                field="path",
+                recorded=None,
+                replayed=f"llm call {r.node}#{r.call}",
+            ), compared
     for c in recorded:
         r = rep_by.get((c.node, c.call))
         if r is None:
-            return Divergence(run_id=run_id, node=c.node, call=c.call, field="path",
-                              recorded=f"llm call {c.node}#{c.call}", replayed=None), compared
+            return Divergence(
+                run_id=run_id,
+                node=c.node,
+                call=c.call,
+                field="path",
+                recorded=f"llm call {c.node}#{c.call}",
+                replayed=None,
+            ), compared
         if c.prompt_sha256 != r.prompt_sha256:
-            return Divergence(run_id=run_id, node=c.node, call=c.call, field="prompt",
-                              recorded=c.prompt_sha256[:16], replayed=r.prompt_sha256[:16]), compared
-        for i, (a, b) in enumerate(zip(c.token_ids, r.token_ids)):
+            return Divergence(
+                run_id=run_id,
+                node=c.node,
+                call=c.call,
+                field="prompt",
+                recorded=c.prompt_sha256[:16],
+                replayed=r.prompt_sha256[:16],
+            ), compared
+        for i, (a, b) in enumerate(zip(c.token_ids, r.token_ids, strict=False)):
             if a != b:
-                return Divergence(run_id=run_id, node=c.node, call=c.call, step=i, field="token_ids",
-                                  recorded=a, replayed=b), compared + i
+                return Divergence(
+                    run_id=run_id, node=c.node, call=c.call, step=i, field="token_ids", recorded=a, replayed=b
+                ), compared + i
         if len(c.token_ids) != len(r.token_ids):
             n = min(len(c.token_ids), len(r.token_ids))
-            return Divergence(run_id=run_id, node=c.node, call=c.call, step=n, field="token_ids.length",
-                              recorded=len(c.token_ids), replayed=len(r.token_ids)), compared + n
+            return Divergence(
+                run_id=run_id,
+                node=c.node,
+                call=c.call,
+                step=n,
+                field="token_ids.length",
+                recorded=len(c.token_ids),
+                replayed=len(r.token_ids),
+            ), compared + n
         compared += len(c.token_ids)
     return None, compared
 
 
 def read_checkpoint(graph: Any, thread_id: str, checkpoint_id: str) -> tuple[Any, int | None, str | None]:
     """(channel values JSON, step, writing node) of one stored checkpoint."""
-    tup = graph.checkpointer.get_tuple({"configurable": {"thread_id": thread_id, "checkpoint_ns": "",
-                                                         "checkpoint_id": checkpoint_id}})
+    tup = graph.checkpointer.get_tuple(
+        {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
+    )
     if tup is None:
         return None, None, None
     meta = tup.metadata or {}
@@ -436,39 +546,69 @@ def read_checkpoint(graph: Any, thread_id: str, checkpoint_id: str) -> tuple[Any
             node = ",".join(graph.get_state(tup.parent_config).next) or None
         except Exception:  # noqa: BLE001 - the node name is a label in the report, not a check
             node = None
-    values = {k: v for k, v in tup.checkpoint.get("channel_values", {}).items() if not k.startswith("branch:")}
+    values = {
+        k: v for k, v in tup.checkpoint.get("channel_values", {}).items() if not k.startswith("branch:")
+    }
     return jsonable(values), meta.get("step"), node
 
 
-def compare_checkpoints(run_id: str, graph: Any, thread_id: str, recorded: list[str], replay_graph: Any,
-                        replay_thread: str, replayed: list[str], id_map: dict[str, str]) -> tuple[Divergence | None, int]:
+def compare_checkpoints(
+    run_id: str,
+    graph: Any,
+    thread_id: str,
+    recorded: list[str],
+    replay_graph: Any,
+    replay_thread: str,
+    replayed: list[str],
+    id_map: dict[str, str],
+) -> tuple[Divergence | None, int]:
     """Compare a run's checkpoints position by position; fills ``id_map`` (recorded id -> replay id)."""
     compared = 0
-    for rec_id, rep_id in zip(recorded, replayed):
+    for rec_id, rep_id in zip(recorded, replayed, strict=False):
         id_map[rec_id] = rep_id
         a, step, node = read_checkpoint(graph, thread_id, rec_id)
         b, step_b, node_b = read_checkpoint(replay_graph, replay_thread, rep_id)
         if a is None:
-            return Divergence(run_id=run_id, field="checkpoint", recorded=f"{rec_id} (missing)",
-                              replayed=rep_id), compared
+            return Divergence(
+                run_id=run_id, field="checkpoint", recorded=f"{rec_id} (missing)", replayed=rep_id
+            ), compared
         found = first_difference(a, b)
         if found is None and step != step_b:
             found = ("metadata.step", step, step_b)
         if found is not None:
             field, x, y = found
-            return Divergence(run_id=run_id, node=node or node_b, step=step, field=f"checkpoint.{field}",
-                              recorded=x, replayed=y), compared
+            return Divergence(
+                run_id=run_id,
+                node=node or node_b,
+                step=step,
+                field=f"checkpoint.{field}",
+                recorded=x,
+                replayed=y,
+            ), compared
         compared += 1
     if len(recorded) != len(replayed):
-        return Divergence(run_id=run_id, field="checkpoints.count", recorded=len(recorded),
-                          replayed=len(replayed)), compared
+        return Divergence(
+            run_id=run_id, field="checkpoints.count", recorded=len(recorded), replayed=len(replayed)
+        ), compared
     return None, compared
 
 
-def replay_thread(*, workflow: Any, recorded_version: str, engine: Any, saver: Any, thread_id: str,
-                  target_run: str, ops: list[dict[str, Any]], runs: dict[str, RecordedRun], mode: str,
-                  fingerprint_recorded: dict[str, str], fingerprint_now: dict[str, str], by: str,
-                  cancelled: threading.Event | None = None) -> ReplayReport:
+def replay_thread(
+    *,
+    workflow: Any,
+    recorded_version: str,
+    engine: Any,
+    saver: Any,
+    thread_id: str,
+    target_run: str,
+    ops: list[dict[str, Any]],
+    runs: dict[str, RecordedRun],
+    mode: str,
+    fingerprint_recorded: dict[str, str],
+    fingerprint_now: dict[str, str],
+    by: str,
+    cancelled: threading.Event | None = None,
+) -> ReplayReport:
     """Replay the thread's operations up to and including ``target_run`` and compare (module docstring).
 
     ``workflow`` is the registered workflow to run (the recorded version when it is still registered);
@@ -478,20 +618,36 @@ def replay_thread(*, workflow: Any, recorded_version: str, engine: Any, saver: A
     if mode not in ("reexecute", "recorded"):
         raise ValueError(f"unknown replay mode {mode!r}; use reexecute or recorded")
     started = time.time()
-    report = ReplayReport(replay_id=uuid.uuid4().hex, run_id=target_run, thread_id=thread_id, mode=mode,
-                          verdict="identical", fingerprint_recorded=fingerprint_recorded,
-                          fingerprint_replayed=fingerprint_now, by=by, at=started,
-                          workflow_version_recorded=recorded_version, workflow_version_replayed=workflow.version)
+    report = ReplayReport(
+        replay_id=uuid.uuid4().hex,
+        run_id=target_run,
+        thread_id=thread_id,
+        mode=mode,
+        verdict="identical",
+        fingerprint_recorded=fingerprint_recorded,
+        fingerprint_replayed=fingerprint_now,
+        by=by,
+        at=started,
+        workflow_version_recorded=recorded_version,
+        workflow_version_replayed=workflow.version,
+    )
     if fingerprint_recorded and fingerprint_recorded != fingerprint_now:
         report.fingerprint_match = False
-        diff = sorted(k for k in set(fingerprint_recorded) | set(fingerprint_now)
-                      if fingerprint_recorded.get(k) != fingerprint_now.get(k))
-        report.notes.append(f"engine fingerprint differs from the record ({', '.join(diff)}); replaying anyway")
+        diff = sorted(
+            k
+            for k in set(fingerprint_recorded) | set(fingerprint_now)
+            if fingerprint_recorded.get(k) != fingerprint_now.get(k)
+        )
+        report.notes.append(
+            f"engine fingerprint differs from the record ({', '.join(diff)}); replaying anyway"
+        )
     first: Divergence | None = None
     if workflow.version != recorded_version:
         first = Divergence(field="workflow_version", recorded=recorded_version, replayed=workflow.version)
-        report.notes.append(f"workflow {workflow.name} version {recorded_version} is not the one replayed "
-                            f"({workflow.version})")
+        report.notes.append(
+            f"workflow {workflow.name} version {recorded_version} is not the one replayed "
+            f"({workflow.version})"
+        )
     graph = workflow.build(saver)
     scratch = f"replay-{report.replay_id}"
     id_map: dict[str, str] = {}
@@ -511,11 +667,20 @@ def replay_thread(*, workflow: Any, recorded_version: str, engine: Any, saver: A
                 continue
             if rec.status in ("pending", "running"):
                 break
-            tap = TappedEngine(engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled)
+            tap = TappedEngine(
+                engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled
+            )
             fork = rec.request.get("checkpoint_id")
-            config = run_config(scratch, rec.run_id, rec.seed, rec.tenant, tap,
-                                checkpoint_id=id_map.get(fork, fork) if fork else None, workflow=workflow.name,
-                                mode=rec.request.get("mode"))
+            config = run_config(
+                scratch,
+                rec.run_id,
+                rec.seed,
+                rec.tenant,
+                tap,
+                checkpoint_id=id_map.get(fork, fork) if fork else None,
+                workflow=workflow.name,
+                mode=rec.request.get("mode"),
+            )
             try:
                 outcome = drive(graph, command_from(rec.request), config, cancelled=cancelled)
             except DivergenceError as exc:
@@ -528,15 +693,24 @@ def replay_thread(*, workflow: Any, recorded_version: str, engine: Any, saver: A
             report.tokens_compared += n_tokens
             if div is None and mode == "recorded" and tap.unserved:
                 c = tap.unserved[0]
-                div = Divergence(run_id=rec.run_id, node=c.node, call=c.call, field="path",
-                                 recorded=f"llm call {c.node}#{c.call}", replayed=None)
-            cdiv, n_cp = compare_checkpoints(rec.run_id, graph, thread_id, rec.checkpoints, graph, scratch,
-                                             outcome.checkpoints, id_map)
+                div = Divergence(
+                    run_id=rec.run_id,
+                    node=c.node,
+                    call=c.call,
+                    field="path",
+                    recorded=f"llm call {c.node}#{c.call}",
+                    replayed=None,
+                )
+            cdiv, n_cp = compare_checkpoints(
+                rec.run_id, graph, thread_id, rec.checkpoints, graph, scratch, outcome.checkpoints, id_map
+            )
             report.checkpoints_compared += n_cp
             if div is None:
                 div = cdiv
             if div is None and outcome.status != rec.status and rec.status != "interrupted_cancel":
-                div = Divergence(run_id=rec.run_id, field="status", recorded=rec.status, replayed=outcome.status)
+                div = Divergence(
+                    run_id=rec.run_id, field="status", recorded=rec.status, replayed=outcome.status
+                )
             if div is not None:
                 first = first or div
                 break
@@ -558,10 +732,19 @@ class ReplayRefused(ValueError):
     """The run cannot be replayed (still running, or a cancelled run precedes it on its thread)."""
 
 
-def replay_stored_run(*, store: Any, registry: Any, engine: Any, saver: Any, run_id: str, mode: str, by: str,
-                      tenant: str | None = None, fingerprint: Callable[[str | None], dict[str, str]] | None = None
-                      ) -> ReplayReport:
-    """Replay an API run recorded in ``store`` (a :class:`~elesium.state.threads.ThreadStore`) and store the report.
+def replay_stored_run(
+    *,
+    store: Any,
+    registry: Any,
+    engine: Any,
+    saver: Any,
+    run_id: str,
+    mode: str,
+    by: str,
+    tenant: str | None = None,
+    fingerprint: Callable[[str | None], dict[str, str]] | None = None,
+) -> ReplayReport:
+    """Replay an API run recorded in ``store`` (a ThreadStore) and store the report beside it.
 
     ``tenant`` None reads the run whatever its tenant (the CLI, which has the Redis credentials anyway).
     The recorded workflow version is used when still registered, else the current one (and the report
@@ -579,19 +762,40 @@ def replay_stored_run(*, store: Any, registry: Any, engine: Any, saver: Any, run
     order = [op.get("run_id") for op in ops if op.get("kind") == "run"]
     upto = order[: order.index(run_id) + 1] if run_id in order else [run_id]
     if any(rows[r].error == "cancelled" for r in upto if r in rows):
-        raise ReplayRefused("a run up to this one on its thread was cancelled midway; its partial effects "
-                            "cannot be replayed")
-    runs = {rid: RecordedRun(run_id=rid, request=r.request, seed=r.seed, tenant=r.tenant, checkpoints=r.checkpoints,
-                             calls=[LLMCall(**c) for c in store.calls(rid)], status=r.status)
-            for rid, r in rows.items()}
+        raise ReplayRefused(
+            "a run up to this one on its thread was cancelled midway; its partial effects cannot be replayed"
+        )
+    runs = {
+        rid: RecordedRun(
+            run_id=rid,
+            request=r.request,
+            seed=r.seed,
+            tenant=r.tenant,
+            checkpoints=r.checkpoints,
+            calls=[LLMCall(**c) for c in store.calls(rid)],
+            status=r.status,
+        )
+        for rid, r in rows.items()
+    }
     try:
         workflow = registry.get(target.workflow, target.workflow_version)
     except KeyError:
         workflow = registry.get(target.workflow)
     recorded_mode = target.request.get("mode")
     now = fingerprint(recorded_mode) if fingerprint is not None else engine_fingerprint(engine, recorded_mode)
-    report = replay_thread(workflow=workflow, recorded_version=target.workflow_version, engine=engine, saver=saver,
-                           thread_id=target.thread_id, target_run=run_id, ops=ops, runs=runs, mode=mode,
-                           fingerprint_recorded=target.fingerprint, fingerprint_now=now, by=by)
+    report = replay_thread(
+        workflow=workflow,
+        recorded_version=target.workflow_version,
+        engine=engine,
+        saver=saver,
+        thread_id=target.thread_id,
+        target_run=run_id,
+        ops=ops,
+        runs=runs,
+        mode=mode,
+        fingerprint_recorded=target.fingerprint,
+        fingerprint_now=now,
+        by=by,
+    )
     store.add_replay(run_id, report.model_dump(mode="json"))
     return report

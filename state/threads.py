@@ -93,7 +93,9 @@ def _from_hash(cls: type[BaseModel], raw: dict[bytes, bytes]) -> Any:
 class ThreadStore:
     """CRUD for threads, protocol runs, LLM calls and replays (see the module docstring)."""
 
-    def __init__(self, client: Any, *, prefix: str = DEFAULT_PREFIX, target: str = "the configured server") -> None:
+    def __init__(
+        self, client: Any, *, prefix: str = DEFAULT_PREFIX, target: str = "the configured server"
+    ) -> None:
         self.client = client
         self._p = prefix + ":"
         self._target = target
@@ -146,14 +148,16 @@ class ThreadStore:
                 pipe.hgetall(self._k("thread", tid.decode()))
             rows = [_from_hash(ThreadRow, r) for r in pipe.execute() if r]
         rows = [r for r in rows if r.tenant == tenant]
-        return rows[offset: offset + limit] if limit > 0 else []
+        return rows[offset : offset + limit] if limit > 0 else []
 
     def delete_thread(self, thread_id: str, tenant: str) -> list[str]:
         """Delete the thread and its runs' rows; returns the run ids (their other data is the caller's)."""
         with self._guard():
             run_ids = [r.decode() for r in self.client.zrange(self._k("thread-runs", thread_id), 0, -1)]
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self._k("thread", thread_id), self._k("thread-runs", thread_id), self._k("ops", thread_id))
+            pipe.delete(
+                self._k("thread", thread_id), self._k("thread-runs", thread_id), self._k("ops", thread_id)
+            )
             pipe.zrem(self._k("tenant-threads", tenant), thread_id)
             for rid in run_ids:
                 pipe.delete(self._k("run", rid), self._k("calls", rid), self._k("replays", rid))
@@ -195,8 +199,9 @@ class ThreadStore:
             if self.client.exists(self._k("run", run_id)):
                 self.client.hset(self._k("run", run_id), mapping=row)
 
-    def list_runs(self, thread_id: str, tenant: str, *, limit: int = 10, offset: int = 0,
-                  status: str | None = None) -> list[RunRow]:
+    def list_runs(
+        self, thread_id: str, tenant: str, *, limit: int = 10, offset: int = 0, status: str | None = None
+    ) -> list[RunRow]:
         """The thread's runs, newest first."""
         with self._guard():
             ids = self.client.zrevrange(self._k("thread-runs", thread_id), 0, -1)
@@ -205,7 +210,7 @@ class ThreadStore:
                 pipe.hgetall(self._k("run", rid.decode()))
             rows = [_from_hash(RunRow, r) for r in pipe.execute() if r]
         rows = [r for r in rows if r.tenant == tenant and (status is None or r.status == status)]
-        return rows[offset: offset + limit] if limit > 0 else []
+        return rows[offset : offset + limit] if limit > 0 else []
 
     def delete_run(self, run_id: str, thread_id: str) -> None:
         """Drop a finished run's row, calls and replays (its checkpoints belong to the thread)."""

@@ -51,8 +51,9 @@ def api_server(engine: Any, state_server: Any) -> Iterator[LiveServer]:
     from elesium.api.settings import ApiSettings
 
     registry = build_registry()
-    settings = ApiSettings(api_keys={KEY_A: "tenant-a", KEY_B: "tenant-b"}, redis_url=state_server.url,
-                           max_body_bytes=64_000)
+    settings = ApiSettings(
+        api_keys={KEY_A: "tenant-a", KEY_B: "tenant-b"}, redis_url=state_server.url, max_body_bytes=64_000
+    )
     app = create_app(settings, engine=engine, registry=registry)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -64,7 +65,9 @@ def api_server(engine: Any, state_server: Any) -> Iterator[LiveServer]:
             raise RuntimeError("the API test server did not start")
         time.sleep(0.05)
     try:
-        yield LiveServer(url=f"http://127.0.0.1:{port}", redis_url=state_server.url, app=app, registry=registry)
+        yield LiveServer(
+            url=f"http://127.0.0.1:{port}", redis_url=state_server.url, app=app, registry=registry
+        )
     finally:
         server.should_exit = True
         thread.join(30)

@@ -44,7 +44,10 @@ def _approval_factory(prompt: str) -> Any:
         def approve(state: ApprovalState) -> dict[str, Any]:
             decision = interrupt({"question": "approve this draft?", "draft": state.get("draft", "")})
             decision = decision if isinstance(decision, dict) else {"approved": bool(decision)}
-            return {"approved": bool(decision.get("approved")), "approver_note": str(decision.get("note", ""))}
+            return {
+                "approved": bool(decision.get("approved")),
+                "approver_note": str(decision.get("note", "")),
+            }
 
         def finish(state: ApprovalState) -> dict[str, Any]:
             verdict = "APPROVED" if state.get("approved") else "REJECTED"
@@ -57,13 +60,20 @@ def _approval_factory(prompt: str) -> Any:
         builder.add_edge("approve", "finish")
         builder.add_edge("finish", END)
         return builder
+
     return factory
 
 
 def _summary_factory() -> StateGraph:
     builder = StateGraph(SummaryState)
-    builder.add_node(llm_node("summarize", prompt="Say one short sentence about {topic}.", output_key="summary",
-                              params={"max_tokens": 8}))
+    builder.add_node(
+        llm_node(
+            "summarize",
+            prompt="Say one short sentence about {topic}.",
+            output_key="summary",
+            params={"max_tokens": 8},
+        )
+    )
     builder.add_edge(START, "summarize")
     builder.add_edge("summarize", END)
     return builder
@@ -75,8 +85,14 @@ def approval(prompt: str = "Write one short sentence about {topic}.", name: str 
 
 def _story_factory() -> StateGraph:
     builder = StateGraph(SummaryState)
-    builder.add_node(llm_node("write", prompt="Tell a long story about {topic}.", output_key="summary",
-                              params={"max_tokens": 48}))
+    builder.add_node(
+        llm_node(
+            "write",
+            prompt="Tell a long story about {topic}.",
+            output_key="summary",
+            params={"max_tokens": 48},
+        )
+    )
     builder.add_edge(START, "write")
     builder.add_edge("write", END)
     return builder

@@ -28,13 +28,21 @@ def test_health_is_public_everything_else_needs_a_key(api_server):
         assert anon.get("/healthz").json() == {"status": "ok"}
         ready = anon.get("/readyz")
         assert ready.status_code == 200 and ready.json()["checks"] == {"engine": True, "redis": True}
-        for method, path in [("POST", "/assistants/search"), ("POST", "/threads/search"), ("GET", "/metrics"),
-                             ("GET", "/v1/models"), ("GET", "/openapi.json"), ("POST", "/threads")]:
+        for method, path in [
+            ("POST", "/assistants/search"),
+            ("POST", "/threads/search"),
+            ("GET", "/metrics"),
+            ("GET", "/v1/models"),
+            ("GET", "/openapi.json"),
+            ("POST", "/threads"),
+        ]:
             r = anon.request(method, path, json={})
             assert r.status_code == 401 and "API key" in r.json()["detail"], path
     with api_server.http("wrong-key") as wrong:
         assert wrong.post("/threads/search", json={}).status_code == 401
-    with api_server.http(None, ) as bearer:
+    with api_server.http(
+        None,
+    ) as bearer:
         r = bearer.post("/threads/search", json={}, headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 200
 
@@ -42,11 +50,17 @@ def test_health_is_public_everything_else_needs_a_key(api_server):
 def test_other_tenants_objects_are_404_and_never_listed(api_server, owned):
     tid, rid = owned
     with api_server.http(KEY_B) as b:
-        for method, path in [("GET", f"/threads/{tid}"), ("GET", f"/threads/{tid}/state"),
-                             ("POST", f"/threads/{tid}/history"), ("GET", f"/threads/{tid}/runs"),
-                             ("GET", f"/threads/{tid}/runs/{rid}"), ("GET", f"/threads/{tid}/runs/{rid}/acceptance"),
-                             ("POST", f"/threads/{tid}/runs/{rid}/replay"), ("GET", f"/threads/{tid}/runs/{rid}/replays"),
-                             ("DELETE", f"/threads/{tid}")]:
+        for method, path in [
+            ("GET", f"/threads/{tid}"),
+            ("GET", f"/threads/{tid}/state"),
+            ("POST", f"/threads/{tid}/history"),
+            ("GET", f"/threads/{tid}/runs"),
+            ("GET", f"/threads/{tid}/runs/{rid}"),
+            ("GET", f"/threads/{tid}/runs/{rid}/acceptance"),
+            ("POST", f"/threads/{tid}/runs/{rid}/replay"),
+            ("GET", f"/threads/{tid}/runs/{rid}/replays"),
+            ("DELETE", f"/threads/{tid}"),
+        ]:
             r = b.request(method, path, json={"mode": "reexecute"} if path.endswith("replay") else {})
             assert r.status_code == 404, (method, path, r.text)
         r = b.post(f"/threads/{tid}/runs/wait", json={"assistant_id": "summary", "input": {"topic": "x"}})
@@ -65,34 +79,123 @@ def test_bad_input_is_4xx_with_a_message_and_writes_nothing(api_server, owned):
     before = r.dbsize()
     with api_server.http(KEY_A) as a:
         cases = [
-            ("malformed json", a.post(f"/threads/{tid}/runs", content=b"{not json",
-                                      headers={"content-type": "application/json"}), 422),
-            ("oversized body", a.post(f"/threads/{tid}/runs/wait",
-                                      json={"assistant_id": "summary", "input": {"topic": "x" * 70_000}}), 413),
-            ("input too long", a.post(f"/threads/{tid}/runs/wait",
-                                      json={"assistant_id": "summary", "input": {"topic": "x" * 500}}), 422),
-            ("missing field", a.post(f"/threads/{tid}/runs", json={"assistant_id": "summary", "input": {}}), 422),
-            ("unknown assistant", a.post(f"/threads/{tid}/runs", json={"assistant_id": "nope", "input": {}}), 404),
-            ("unknown thread", a.post("/threads/nope/runs", json={"assistant_id": "summary",
-                                                                 "input": {"topic": "x"}}), 404),
+            (
+                "malformed json",
+                a.post(
+                    f"/threads/{tid}/runs", content=b"{not json", headers={"content-type": "application/json"}
+                ),
+                422,
+            ),
+            (
+                "oversized body",
+                a.post(
+                    f"/threads/{tid}/runs/wait",
+                    json={"assistant_id": "summary", "input": {"topic": "x" * 70_000}},
+                ),
+                413,
+            ),
+            (
+                "input too long",
+                a.post(
+                    f"/threads/{tid}/runs/wait",
+                    json={"assistant_id": "summary", "input": {"topic": "x" * 500}},
+                ),
+                422,
+            ),
+            (
+                "missing field",
+                a.post(f"/threads/{tid}/runs", json={"assistant_id": "summary", "input": {}}),
+                422,
+            ),
+            (
+                "unknown assistant",
+                a.post(f"/threads/{tid}/runs", json={"assistant_id": "nope", "input": {}}),
+                404,
+            ),
+            (
+                "unknown thread",
+                a.post("/threads/nope/runs", json={"assistant_id": "summary", "input": {"topic": "x"}}),
+                404,
+            ),
             ("unknown run", a.get(f"/threads/{tid}/runs/nope"), 404),
-            ("stateless bad input", a.post("/runs/wait", json={"assistant_id": "summary", "input": {"topic": ""}}), 422),
-            ("resume without interrupt", a.post(f"/threads/{tid}/runs", json={"assistant_id": "summary",
-                                                                              "command": {"resume": 1}}), 409),
-            ("unknown stream mode", a.post(f"/threads/{tid}/runs/stream", json={
-                "assistant_id": "summary", "input": {"topic": "x"}, "stream_mode": "events"}), 422),
-            ("bad seed", a.post(f"/threads/{tid}/runs", json={"assistant_id": "summary", "input": {"topic": "x"},
-                                                              "config": {"configurable": {"run_seed": -1}}}), 422),
-            ("bad temperature", a.post("/v1/chat/completions", json={
-                "model": "elesium", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}), 422),
-            ("bad top_p", a.post("/v1/chat/completions", json={
-                "model": "elesium", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}), 422),
-            ("max_tokens over cap", a.post("/v1/chat/completions", json={
-                "model": "elesium", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}), 400),
-            ("oversized prompt", a.post("/v1/chat/completions", json={
-                "model": "elesium", "messages": [{"role": "user", "content": "word " * 2500}]}), 400),
-            ("unknown model", a.post("/v1/chat/completions", json={
-                "model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}), 404),
+            (
+                "stateless bad input",
+                a.post("/runs/wait", json={"assistant_id": "summary", "input": {"topic": ""}}),
+                422,
+            ),
+            (
+                "resume without interrupt",
+                a.post(f"/threads/{tid}/runs", json={"assistant_id": "summary", "command": {"resume": 1}}),
+                409,
+            ),
+            (
+                "unknown stream mode",
+                a.post(
+                    f"/threads/{tid}/runs/stream",
+                    json={"assistant_id": "summary", "input": {"topic": "x"}, "stream_mode": "events"},
+                ),
+                422,
+            ),
+            (
+                "bad seed",
+                a.post(
+                    f"/threads/{tid}/runs",
+                    json={
+                        "assistant_id": "summary",
+                        "input": {"topic": "x"},
+                        "config": {"configurable": {"run_seed": -1}},
+                    },
+                ),
+                422,
+            ),
+            (
+                "bad temperature",
+                a.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "elesium",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "temperature": -1,
+                    },
+                ),
+                422,
+            ),
+            (
+                "bad top_p",
+                a.post(
+                    "/v1/chat/completions",
+                    json={"model": "elesium", "messages": [{"role": "user", "content": "hi"}], "top_p": 0},
+                ),
+                422,
+            ),
+            (
+                "max_tokens over cap",
+                a.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "elesium",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 10**6,
+                    },
+                ),
+                400,
+            ),
+            (
+                "oversized prompt",
+                a.post(
+                    "/v1/chat/completions",
+                    json={"model": "elesium", "messages": [{"role": "user", "content": "word " * 2500}]},
+                ),
+                400,
+            ),
+            (
+                "unknown model",
+                a.post(
+                    "/v1/chat/completions",
+                    json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+                ),
+                404,
+            ),
         ]
         for name, response, status in cases:
             assert response.status_code == status, (name, response.status_code, response.text)

@@ -15,11 +15,18 @@ pytest_plugins = ["state_fixtures", "api_server"]
 
 def test_serve_refuses_without_keys():
     env = {"PATH": "/usr/bin:/bin", "ELESIUM_API_KEYS": ""}
-    out = subprocess.run([sys.executable, "-m", "elesium.cli", "serve", "--port", "1"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "elesium.cli", "serve", "--port", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == ["elesium: error: no API keys: set ELESIUM_API_KEYS=key=tenant,... or "
-                                               "ELESIUM_API_KEYS_FILE, or pass --no-auth for local use"]
+    assert out.stderr.strip().splitlines() == [
+        "elesium: error: no API keys: set ELESIUM_API_KEYS=key=tenant,... or "
+        "ELESIUM_API_KEYS_FILE, or pass --no-auth for local use"
+    ]
 
 
 def test_replay_command(api_server, monkeypatch, capsys):
@@ -28,8 +35,17 @@ def test_replay_command(api_server, monkeypatch, capsys):
     client = get_sync_client(url=api_server.url, api_key=KEY_A)
     tid = client.threads.create()["thread_id"]
     # The CLI replays against the shipped registry, so the run is of a shipped workflow.
-    client.runs.wait(tid, "expense-approval", input={"employee": "Li", "amount": 30.0, "currency": "USD",
-                                                     "category": "meals", "description": "Lunch with a supplier"})
+    client.runs.wait(
+        tid,
+        "expense-approval",
+        input={
+            "employee": "Li",
+            "amount": 30.0,
+            "currency": "USD",
+            "category": "meals",
+            "description": "Lunch with a supplier",
+        },
+    )
     rid = client.runs.list(tid)[0]["run_id"]
     monkeypatch.setenv("REDIS_URL", api_server.redis_url)
     assert main(["replay", rid, "--json", "--device", "cpu", "--dtype", "float32"]) == 0

@@ -22,21 +22,31 @@ def oai(api_server):
 def test_models_and_completion(oai, api_server):
     models = [m.id for m in oai.models.list().data]
     assert models == [api_server.services.settings.model_name]
-    out = oai.chat.completions.create(model=models[0], messages=[{"role": "user", "content": "Say hello."}],
-                                      max_tokens=6, seed=1)
+    out = oai.chat.completions.create(
+        model=models[0], messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, seed=1
+    )
     choice = out.choices[0]
     assert out.object == "chat.completion" and choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
-    assert out.usage.completion_tokens >= 1 and out.usage.total_tokens == out.usage.prompt_tokens + \
-        out.usage.completion_tokens
-    again = oai.chat.completions.create(model=models[0], messages=[{"role": "user", "content": "Say hello."}],
-                                        max_tokens=6, seed=1)
+    assert (
+        out.usage.completion_tokens >= 1
+        and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    )
+    again = oai.chat.completions.create(
+        model=models[0], messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, seed=1
+    )
     assert again.choices[0].message.content == choice.message.content
 
 
 def test_streaming_matches_non_streaming_and_reports_usage(oai, api_server):
-    kwargs = dict(model="elesium", messages=[{"role": "user", "content": "Count: one, two,"}], max_tokens=8,
-                  temperature=0.7, top_p=0.9, seed=4)
+    kwargs = dict(
+        model="elesium",
+        messages=[{"role": "user", "content": "Count: one, two,"}],
+        max_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        seed=4,
+    )
     whole = oai.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -48,8 +58,14 @@ def test_streaming_matches_non_streaming_and_reports_usage(oai, api_server):
 
 
 def test_stop_and_mode(oai):
-    out = oai.chat.completions.create(model="elesium", messages=[{"role": "user", "content": "List: a, b, c, d"}],
-                                      max_tokens=24, stop=[","], seed=2, extra_body={"mode": "vanilla"})
+    out = oai.chat.completions.create(
+        model="elesium",
+        messages=[{"role": "user", "content": "List: a, b, c, d"}],
+        max_tokens=24,
+        stop=[","],
+        seed=2,
+        extra_body={"mode": "vanilla"},
+    )
     assert "," not in out.choices[0].message.content
 
 
@@ -74,15 +90,19 @@ def test_disconnect_mid_stream_frees_the_engine(api_server):
         assert runs[0]["status"] == "interrupted" and runs[0]["error"] == "cancelled"
         assert api_server.services.worker.depth == 0
         # The next request completes normally.
-        r = h.post("/v1/chat/completions", json={"model": "elesium", "max_tokens": 4,
-                                                 "messages": [{"role": "user", "content": "hi"}]})
+        r = h.post(
+            "/v1/chat/completions",
+            json={"model": "elesium", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
 def test_health_answers_while_the_engine_is_busy(api_server):
     with api_server.http(KEY_A) as h:
         tid = h.post("/threads", json={}).json()["thread_id"]
-        run = h.post(f"/threads/{tid}/runs", json={"assistant_id": "story", "input": {"topic": "deserts"}}).json()
+        run = h.post(
+            f"/threads/{tid}/runs", json={"assistant_id": "story", "input": {"topic": "deserts"}}
+        ).json()
         while h.get(f"/threads/{tid}/runs/{run['run_id']}").json()["status"] == "pending":
             time.sleep(0.02)
         t0 = time.monotonic()
@@ -95,13 +115,21 @@ def test_health_answers_while_the_engine_is_busy(api_server):
 
 def test_metrics(api_server):
     with api_server.http(KEY_A) as h:
-        h.post("/v1/chat/completions", json={"model": "elesium", "max_tokens": 3,
-                                             "messages": [{"role": "user", "content": "hi"}]})
+        h.post(
+            "/v1/chat/completions",
+            json={"model": "elesium", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+        )
         text = h.get("/metrics").text
-    for name in ("elesium_http_requests_total", "elesium_http_request_duration_seconds", "elesium_runs_total",
-                 "elesium_generation_tokens_total", "elesium_spec_decode_num_drafts_total",
-                 "elesium_spec_decode_num_accepted_tokens_total", "elesium_checkpoint_write_seconds",
-                 "elesium_engine_queue_depth"):
+    for name in (
+        "elesium_http_requests_total",
+        "elesium_http_request_duration_seconds",
+        "elesium_runs_total",
+        "elesium_generation_tokens_total",
+        "elesium_spec_decode_num_drafts_total",
+        "elesium_spec_decode_num_accepted_tokens_total",
+        "elesium_checkpoint_write_seconds",
+        "elesium_engine_queue_depth",
+    ):
         assert name in text, name
     assert 'route="/v1/chat/completions"' in text
     generated = [line for line in text.splitlines() if line.startswith("elesium_generation_tokens_total")]

@@ -26,8 +26,15 @@ def client(api_server):
 def test_assistants_one_per_workflow_version(client):
     found = client.assistants.search(limit=100)
     names = sorted(a["graph_id"] for a in found)
-    assert names == ["approval", "approval-versioned", "expense-approval", "incident-summary", "story", "summary",
-                     "ticket-triage"]
+    assert names == [
+        "approval",
+        "approval-versioned",
+        "expense-approval",
+        "incident-summary",
+        "story",
+        "summary",
+        "ticket-triage",
+    ]
     approval = next(a for a in found if a["graph_id"] == "approval")
     assert len(approval["metadata"]["workflow_version"]) == 16
     assert client.assistants.get(approval["assistant_id"])["graph_id"] == "approval"
@@ -42,8 +49,11 @@ def test_assistants_one_per_workflow_version(client):
 def test_interrupt_resume_stream_state_history_and_fork(client, api_server):
     thread = client.threads.create(metadata={"case": "interrupt"})
     tid = thread["thread_id"]
-    events = list(client.runs.stream(tid, "approval", input={"topic": "tea"},
-                                     stream_mode=["values", "updates", "messages-tuple"]))
+    events = list(
+        client.runs.stream(
+            tid, "approval", input={"topic": "tea"}, stream_mode=["values", "updates", "messages-tuple"]
+        )
+    )
     kinds = [e.event for e in events]
     assert kinds[0] == "metadata"
     assert "messages" in kinds and "updates" in kinds and "values" in kinds
@@ -69,8 +79,12 @@ def test_interrupt_resume_stream_state_history_and_fork(client, api_server):
     at_approval = next(h for h in history if h["next"] == ["approve"])
 
     # Edit the draft at the approval point, then fork from that edit and reject it.
-    edited = client.threads.update_state(tid, {"draft": "edited draft"}, as_node="draft",
-                                         checkpoint_id=at_approval["checkpoint"]["checkpoint_id"])
+    edited = client.threads.update_state(
+        tid,
+        {"draft": "edited draft"},
+        as_node="draft",
+        checkpoint_id=at_approval["checkpoint"]["checkpoint_id"],
+    )
     fork_id = edited["checkpoint"]["checkpoint_id"]
     forked = client.runs.wait(tid, "approval", checkpoint_id=fork_id)
     assert forked["__interrupt__"][0]["value"]["draft"] == "edited draft"
@@ -78,7 +92,10 @@ def test_interrupt_resume_stream_state_history_and_fork(client, api_server):
     assert final["final"] == "REJECTED: edited draft"
     assert client.threads.get_state(tid)["values"]["final"] == "REJECTED: edited draft"
     # The original branch is still in the history.
-    assert any((h["values"].get("final") or "").startswith("APPROVED") for h in client.threads.get_history(tid, limit=50))
+    assert any(
+        (h["values"].get("final") or "").startswith("APPROVED")
+        for h in client.threads.get_history(tid, limit=50)
+    )
     api_server.approval_thread = tid  # reused by the replay tests
 
 
@@ -97,6 +114,17 @@ def test_background_run_join_and_threads(client):
         client.threads.get(thread["thread_id"])
 
 
+def test_join_stream_follows_a_background_run(client):
+    thread = client.threads.create()
+    run = client.runs.create(thread["thread_id"], "summary", input={"topic": "hills"},
+                             stream_mode=["values", "messages-tuple"])
+    parts = list(client.runs.join_stream(thread["thread_id"], run["run_id"]))
+    events = [p.event for p in parts]
+    assert events[0] == "metadata" and "messages" in events
+    final = [p.data for p in parts if p.event == "values"][-1]
+    assert final["summary"] and final == client.runs.join(thread["thread_id"], run["run_id"])
+
+
 def test_cancel_a_running_run(client, api_server):
     thread = client.threads.create()
     run = client.runs.create(thread["thread_id"], "story", input={"topic": "the sea"})
@@ -112,14 +140,19 @@ def test_cancel_a_running_run(client, api_server):
     calls = api_server.services.store.calls(run["run_id"])
     assert calls == []  # stopped before its 48-token call finished
     # The engine is free: the next run completes.
-    done = client.runs.wait(thread["thread_id"], "story", input={"topic": "a pond"}, config={
-        "configurable": {"run_seed": 3}})
+    done = client.runs.wait(
+        thread["thread_id"], "story", input={"topic": "a pond"}, config={"configurable": {"run_seed": 3}}
+    )
     assert done["summary"]
 
 
 def test_stateless_wait_and_seeded_runs_repeat(client):
-    one = client.runs.wait(None, "summary", input={"topic": "snow"}, config={"configurable": {"run_seed": 11}})
-    two = client.runs.wait(None, "summary", input={"topic": "snow"}, config={"configurable": {"run_seed": 11}})
+    one = client.runs.wait(
+        None, "summary", input={"topic": "snow"}, config={"configurable": {"run_seed": 11}}
+    )
+    two = client.runs.wait(
+        None, "summary", input={"topic": "snow"}, config={"configurable": {"run_seed": 11}}
+    )
     assert one["summary"] and one["summary"] == two["summary"]
 
 
@@ -128,8 +161,12 @@ async def test_async_client(api_server):
     assistants = await client.assistants.search(graph_id="summary")
     assert len(assistants) == 1
     thread = await client.threads.create()
-    parts = [p async for p in client.runs.stream(thread["thread_id"], assistants[0]["assistant_id"],
-                                                 input={"topic": "wind"}, stream_mode="updates")]
+    parts = [
+        p
+        async for p in client.runs.stream(
+            thread["thread_id"], assistants[0]["assistant_id"], input={"topic": "wind"}, stream_mode="updates"
+        )
+    ]
     updates = [p.data for p in parts if p.event == "updates"]
     assert updates and "summarize" in updates[-1]
     run = await client.runs.create(thread["thread_id"], "summary", input={"topic": "fog"})

@@ -25,12 +25,18 @@ def test_no_server_errors(api_server):
     seen: list[str] = []
 
     for operation in operations:
+
         @settings(max_examples=4, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
         def check(case: schemathesis.Case) -> None:
             response = case.call(base_url=api_server.url, headers={"x-api-key": KEY_A}, timeout=60)
-            assert response.status_code < 500, (case.method, case.formatted_path, case.body, response.text[:300])
-            seen.append(f"{case.method} {operation.path}")
+            assert response.status_code < 500, (
+                case.method,
+                case.formatted_path,
+                case.body,
+                response.text[:300],
+            )
+            seen.append(f"{case.method} {case.operation.path}")
 
         check()
     assert len(set(seen)) == len(operations)

@@ -13,12 +13,23 @@ from api_server import KEY_A, KEY_B
 
 pytest_plugins = ["state_fixtures", "api_server"]
 
-TICKET = {"subject": "Login page returns HTTP 502", "body": "Nobody on our team can log in since 09:10, the page "
-          "shows HTTP 502.", "customer": "Ana"}
-EXPENSE = {"employee": "Dana", "amount": 42.5, "currency": "EUR", "category": "meals",
-           "description": "Team lunch with a client after the quarterly review"}
-INCIDENT = {"service": "checkout-api", "logs": "2026-11-30T09:10:02Z ERROR db connection refused\n"
-            "2026-11-30T09:10:05Z FATAL payment worker crashed"}
+TICKET = {
+    "subject": "Login page returns HTTP 502",
+    "body": "Nobody on our team can log in since 09:10, the page shows HTTP 502.",
+    "customer": "Ana",
+}
+EXPENSE = {
+    "employee": "Dana",
+    "amount": 42.5,
+    "currency": "EUR",
+    "category": "meals",
+    "description": "Team lunch with a client after the quarterly review",
+}
+INCIDENT = {
+    "service": "checkout-api",
+    "logs": "2026-11-30T09:10:02Z ERROR db connection refused\n"
+    "2026-11-30T09:10:05Z FATAL payment worker crashed",
+}
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,10 @@ from elesium.graphs.replay import LLMCall, compare_calls, first_difference
 
 def test_parse_api_keys():
     assert parse_api_keys("k1=tenantA, k2=tenantB\n# comment\nk3 = tenantA") == {
-        "k1": "tenantA", "k2": "tenantB", "k3": "tenantA"}
+        "k1": "tenantA",
+        "k2": "tenantB",
+        "k3": "tenantA",
+    }
     for bad in ("k1", "=t", "k1=", "k1=a,k1=b"):
         with pytest.raises(ValueError):
             parse_api_keys(bad)
@@ -34,8 +37,18 @@ def test_settings_from_env(monkeypatch, tmp_path):
 
 
 def _call(node: str, call: int, tokens: list[int]) -> LLMCall:
-    return LLMCall(node=node, call=call, seed=1, mode="vanilla", prompt_sha256="p" * 64, prompt_tokens=9,
-                   token_ids=tokens, text="x", finish_reason="length", steps=len(tokens) - 1)
+    return LLMCall(
+        node=node,
+        call=call,
+        seed=1,
+        mode="vanilla",
+        prompt_sha256="p" * 64,
+        prompt_tokens=9,
+        token_ids=tokens,
+        text="x",
+        finish_reason="length",
+        steps=len(tokens) - 1,
+    )
 
 
 def test_trace_spans_per_run_node_and_llm_call():
@@ -45,10 +58,18 @@ def test_trace_spans_per_run_node_and_llm_call():
     tracing = Tracing(model="smol", span_exporter=exporter)
     tracing.run_spans("triage", "run-1", "thread-1", [_call("draft", 0, [1, 2, 3])], ["draft", "route"])
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"invoke_workflow triage", "langgraph.node draft", "langgraph.node route", "chat smol"}
+    assert set(spans) == {
+        "invoke_workflow triage",
+        "langgraph.node draft",
+        "langgraph.node route",
+        "chat smol",
+    }
     chat = spans["chat smol"]
     assert chat.attributes["gen_ai.operation.name"] == "chat"
-    assert chat.attributes["gen_ai.usage.input_tokens"] == 9 and chat.attributes["gen_ai.usage.output_tokens"] == 3
+    assert (
+        chat.attributes["gen_ai.usage.input_tokens"] == 9
+        and chat.attributes["gen_ai.usage.output_tokens"] == 3
+    )
     assert chat.parent.span_id == spans["langgraph.node draft"].context.span_id
     assert spans["langgraph.node draft"].parent.span_id == spans["invoke_workflow triage"].context.span_id
     assert Tracing("none").tracer is None
@@ -58,7 +79,14 @@ def test_compare_calls_and_values():
     rec = [_call("a", 0, [1, 2, 3]), _call("b", 0, [4])]
     assert compare_calls("r", rec, [_call("a", 0, [1, 2, 3]), _call("b", 0, [4])]) == (None, 4)
     div, _ = compare_calls("r", rec, [_call("a", 0, [1, 9, 3]), _call("b", 0, [4])])
-    assert (div.node, div.call, div.step, div.field, div.recorded, div.replayed) == ("a", 0, 1, "token_ids", 2, 9)
+    assert (div.node, div.call, div.step, div.field, div.recorded, div.replayed) == (
+        "a",
+        0,
+        1,
+        "token_ids",
+        2,
+        9,
+    )
     div, _ = compare_calls("r", rec, [_call("a", 0, [1, 2])])
     assert div.field == "token_ids.length"
     div, _ = compare_calls("r", rec, [*rec, _call("c", 0, [5])])

@@ -25,10 +25,11 @@ def _matches(wf: Any, body: AssistantSearch) -> bool:
 
 
 @router.post("/assistants/search")
-def search_assistants(body: AssistantSearch, request: Request, response: Response,
-                      who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def search_assistants(
+    body: AssistantSearch, request: Request, response: Response, who: Principal = Depends(principal)
+) -> list[dict[str, Any]]:
     found = [wf for wf in services(request).workflows() if _matches(wf, body)]
-    page = found[body.offset: body.offset + body.limit]
+    page = found[body.offset : body.offset + body.limit]
     if body.offset + body.limit < len(found):
         response.headers["X-Pagination-Next"] = str(body.offset + body.limit)
     return [assistant_json(wf) for wf in page]
@@ -51,13 +52,20 @@ def get_schemas(assistant_id: str, request: Request, who: Principal = Depends(pr
     input_schema = schema.get("input") or schema.get("input_schema") or wf.input_model.model_json_schema()
     state_schema = schema.get("state") or schema.get("state_schema")
     output_schema = schema.get("output") or schema.get("output_schema") or state_schema
-    return {"graph_id": wf.name, "input_schema": input_schema, "output_schema": output_schema,
-            "state_schema": state_schema, "config_schema": None, "context_schema": None}
+    return {
+        "graph_id": wf.name,
+        "input_schema": input_schema,
+        "output_schema": output_schema,
+        "state_schema": state_schema,
+        "config_schema": None,
+        "context_schema": None,
+    }
 
 
 @router.get("/assistants/{assistant_id}/graph")
-def get_graph(assistant_id: str, request: Request, xray: bool = False,
-              who: Principal = Depends(principal)) -> dict[str, Any]:
+def get_graph(
+    assistant_id: str, request: Request, xray: bool = False, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     svc = services(request)
     wf = svc.resolve_assistant(assistant_id)
     drawable = svc.graph(wf).get_graph(xray=xray)
@@ -71,7 +79,9 @@ def get_subgraphs(assistant_id: str, request: Request, who: Principal = Depends(
 
 
 @router.post("/assistants/{assistant_id}/versions")
-def list_versions(assistant_id: str, request: Request, who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def list_versions(
+    assistant_id: str, request: Request, who: Principal = Depends(principal)
+) -> list[dict[str, Any]]:
     wf = services(request).resolve_assistant(assistant_id)
     return [assistant_json(w) for w in services(request).workflows() if w.name == wf.name]
 

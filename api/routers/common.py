@@ -20,56 +20,109 @@ def services(request: Request) -> Services:
 
 
 def assistant_json(wf: Any) -> dict[str, Any]:
-    return {"assistant_id": assistant_id_of(wf), "graph_id": wf.name, "name": wf.name, "version": 1,
-            "description": getattr(wf, "description", None) or None, "config": {}, "context": {},
-            "metadata": {"workflow_version": wf.version, "label": getattr(wf, "label", None)},
-            "created_at": "1970-01-01T00:00:00+00:00", "updated_at": "1970-01-01T00:00:00+00:00"}
+    return {
+        "assistant_id": assistant_id_of(wf),
+        "graph_id": wf.name,
+        "name": wf.name,
+        "version": 1,
+        "description": getattr(wf, "description", None) or None,
+        "config": {},
+        "context": {},
+        "metadata": {"workflow_version": wf.version, "label": getattr(wf, "label", None)},
+        "created_at": "1970-01-01T00:00:00+00:00",
+        "updated_at": "1970-01-01T00:00:00+00:00",
+    }
 
 
 def thread_json(row: ThreadRow, values: Any = None, interrupts: list[Any] | None = None) -> dict[str, Any]:
-    return {"thread_id": row.thread_id, "created_at": iso(row.created_ms), "updated_at": iso(row.updated_ms),
-            "metadata": row.metadata, "status": row.status, "values": values if values is not None else {},
-            "interrupts": {"": interrupts} if interrupts else {}}
+    return {
+        "thread_id": row.thread_id,
+        "created_at": iso(row.created_ms),
+        "updated_at": iso(row.updated_ms),
+        "metadata": row.metadata,
+        "status": row.status,
+        "values": values if values is not None else {},
+        "interrupts": {"": interrupts} if interrupts else {},
+    }
 
 
 def run_json(row: RunRow) -> dict[str, Any]:
-    return {"run_id": row.run_id, "thread_id": row.thread_id, "assistant_id": row.assistant_id,
-            "created_at": iso(row.created_ms), "updated_at": iso(row.updated_ms), "status": row.status,
-            "metadata": row.metadata, "multitask_strategy": "reject", "kwargs": row.request,
-            "workflow": row.workflow, "workflow_version": row.workflow_version, "seed": row.seed,
-            "approver": row.approver, "error": row.error}
+    return {
+        "run_id": row.run_id,
+        "thread_id": row.thread_id,
+        "assistant_id": row.assistant_id,
+        "created_at": iso(row.created_ms),
+        "updated_at": iso(row.updated_ms),
+        "status": row.status,
+        "metadata": row.metadata,
+        "multitask_strategy": "reject",
+        "kwargs": row.request,
+        "workflow": row.workflow,
+        "workflow_version": row.workflow_version,
+        "seed": row.seed,
+        "approver": row.approver,
+        "error": row.error,
+    }
 
 
 def checkpoint_json(config: dict[str, Any] | None, thread_id: str) -> dict[str, Any] | None:
     if not config:
         return None
     cp = config.get("configurable", {})
-    return {"thread_id": thread_id, "checkpoint_ns": cp.get("checkpoint_ns", ""),
-            "checkpoint_id": cp.get("checkpoint_id"), "checkpoint_map": None}
+    return {
+        "thread_id": thread_id,
+        "checkpoint_ns": cp.get("checkpoint_ns", ""),
+        "checkpoint_id": cp.get("checkpoint_id"),
+        "checkpoint_map": None,
+    }
 
 
 def state_json(snapshot: Any, thread_id: str) -> dict[str, Any]:
     """A LangGraph StateSnapshot as the protocol's ThreadState."""
-    tasks = [{"id": t.id, "name": t.name, "error": str(t.error) if t.error else None,
-              "interrupts": [jsonable(i) for i in t.interrupts], "checkpoint": None, "state": None,
-              "result": jsonable(getattr(t, "result", None))} for t in snapshot.tasks]
-    return {"values": jsonable(snapshot.values), "next": list(snapshot.next),
-            "checkpoint": checkpoint_json(snapshot.config, thread_id), "metadata": jsonable(snapshot.metadata or {}),
-            "created_at": snapshot.created_at, "parent_checkpoint": checkpoint_json(snapshot.parent_config, thread_id),
-            "tasks": tasks, "interrupts": [jsonable(i) for i in getattr(snapshot, "interrupts", ())]}
+    tasks = [
+        {
+            "id": t.id,
+            "name": t.name,
+            "error": str(t.error) if t.error else None,
+            "interrupts": [jsonable(i) for i in t.interrupts],
+            "checkpoint": None,
+            "state": None,
+            "result": jsonable(getattr(t, "result", None)),
+        }
+        for t in snapshot.tasks
+    ]
+    return {
+        "values": jsonable(snapshot.values),
+        "next": list(snapshot.next),
+        "checkpoint": checkpoint_json(snapshot.config, thread_id),
+        "metadata": jsonable(snapshot.metadata or {}),
+        "created_at": snapshot.created_at,
+        "parent_checkpoint": checkpoint_json(snapshot.parent_config, thread_id),
+        "tasks": tasks,
+        "interrupts": [jsonable(i) for i in getattr(snapshot, "interrupts", ())],
+    }
 
 
 def empty_state(thread_id: str) -> dict[str, Any]:
-    return {"values": {}, "next": [], "checkpoint": None, "metadata": {}, "created_at": None,
-            "parent_checkpoint": None, "tasks": [], "interrupts": []}
+    return {
+        "values": {},
+        "next": [],
+        "checkpoint": None,
+        "metadata": {},
+        "created_at": None,
+        "parent_checkpoint": None,
+        "tasks": [],
+        "interrupts": [],
+    }
 
 
 def sse_frame(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode()
 
 
-async def follow_until_disconnect(request: Request, channel: RunChannel, *,
-                                  on_disconnect: Any = None) -> AsyncIterator[tuple[str, Any]]:
+async def follow_until_disconnect(
+    request: Request, channel: RunChannel, *, on_disconnect: Any = None
+) -> AsyncIterator[tuple[str, Any]]:
     """The channel's events; stops (and calls ``on_disconnect``) when the client goes away.
 
     Polls for the disconnect every 0.2 s while no event arrives, so a client that leaves during a long

@@ -21,8 +21,14 @@ def whoami(request: Request, who: Principal = Depends(principal)) -> dict[str, A
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/acceptance")
-def acceptance(thread_id: str, run_id: str, request: Request, limit: int = 100, cursor: str | None = None,
-               who: Principal = Depends(principal)) -> dict[str, Any]:
+def acceptance(
+    thread_id: str,
+    run_id: str,
+    request: Request,
+    limit: int = 100,
+    cursor: str | None = None,
+    who: Principal = Depends(principal),
+) -> dict[str, Any]:
     """The run's raw acceptance log, ``limit`` entries after ``cursor`` (a stream id), and its summary."""
     svc = services(request)
     svc.thread_or_404(thread_id, who)
@@ -38,13 +44,17 @@ def acceptance(thread_id: str, run_id: str, request: Request, limit: int = 100, 
     summary = log.summary(run_id)
     nodes = sorted({c["node"] for c in svc.store.calls(run_id)} | {e.node_id for e in entries})
     return {
-        "run_id": run_id, "thread_id": thread_id,
+        "run_id": run_id,
+        "thread_id": thread_id,
         "entries": [e.model_dump(mode="json") for e in entries],
         "next_cursor": entries[-1].entry_id if len(entries) == limit else None,
         "summary": summary.model_dump(mode="json"),
         "per_node": {n: log.summary(run_id, n).model_dump(mode="json") for n in nodes},
-        "calls": [{k: c[k] for k in ("node", "call", "seed", "mode", "finish_reason", "steps", "accepted")}
-                  | {"tokens": len(c["token_ids"])} for c in svc.store.calls(run_id)],
+        "calls": [
+            {k: c[k] for k in ("node", "call", "seed", "mode", "finish_reason", "steps", "accepted")}
+            | {"tokens": len(c["token_ids"])}
+            for c in svc.store.calls(run_id)
+        ],
     }
 
 
@@ -54,18 +64,30 @@ def _is_stream_id(text: str) -> bool:
 
 
 @router.post("/threads/{thread_id}/runs/{run_id}/replay")
-async def replay(thread_id: str, run_id: str, body: ReplayRequest, request: Request,
-                 who: Principal = Depends(principal)) -> dict[str, Any]:
-    """Re-execute (or re-run on recorded outputs) the run and its thread's earlier operations; store the verdict."""
+async def replay(
+    thread_id: str, run_id: str, body: ReplayRequest, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
+    """Re-execute (or re-run on recorded outputs) the run and its thread's earlier operations.
+
+    The report (verdict, first divergence, who, when, fingerprints) is stored beside the run.
+    """
     svc = services(request)
     svc.thread_or_404(thread_id, who)
     if svc.store.get_run(run_id, who.tenant, thread_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
 
     def work() -> rp.ReplayReport:
-        return rp.replay_stored_run(store=svc.store, registry=svc.registry, engine=svc.engine, saver=svc.saver,
-                                    run_id=run_id, mode=body.mode, by=who.identity, tenant=who.tenant,
-                                    fingerprint=svc.fingerprint)
+        return rp.replay_stored_run(
+            store=svc.store,
+            registry=svc.registry,
+            engine=svc.engine,
+            saver=svc.saver,
+            run_id=run_id,
+            mode=body.mode,
+            by=who.identity,
+            tenant=who.tenant,
+            fingerprint=svc.fingerprint,
+        )
 
     try:
         report = await svc.worker.run(work)
@@ -75,8 +97,9 @@ async def replay(thread_id: str, run_id: str, body: ReplayRequest, request: Requ
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/replays")
-def list_replays(thread_id: str, run_id: str, request: Request,
-                 who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def list_replays(
+    thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
+) -> list[dict[str, Any]]:
     svc = services(request)
     svc.thread_or_404(thread_id, who)
     if svc.store.get_run(run_id, who.tenant, thread_id) is None:

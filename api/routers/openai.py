@@ -35,8 +35,10 @@ def _mode(svc: Services, requested: str | None) -> str | None:
     if mode not in modes and mode == "speculative" and "medusa" in modes:
         return "medusa"
     if mode not in modes:
-        raise HTTPException(status_code=400, detail=f"mode {requested!r} is not available on this engine "
-                            f"(available: {', '.join(modes)})")
+        raise HTTPException(
+            status_code=400,
+            detail=f"mode {requested!r} is not available on this engine (available: {', '.join(modes)})",
+        )
     return mode
 
 
@@ -45,25 +47,38 @@ def _prepare(svc: Services, body: ChatCompletionRequest) -> tuple[list[dict[str,
     from elesium.inference.sampling import SamplingParams
 
     if body.model not in (svc.settings.model_name, "elesium"):
-        raise HTTPException(status_code=404, detail=f"model {body.model!r} not found; GET /v1/models lists "
-                            f"{svc.settings.model_name!r}")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        raise HTTPException(
+            status_code=404,
+            detail=f"model {body.model!r} not found; GET /v1/models lists {svc.settings.model_name!r}",
+        )
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
     if not any(m["content"].strip() for m in messages):
         raise HTTPException(status_code=400, detail="messages are empty")
     max_tokens = body.max_completion_tokens or body.max_tokens or 256
     if max_tokens > svc.settings.max_tokens_cap:
-        raise HTTPException(status_code=400, detail=f"max_tokens {max_tokens} exceeds this server's cap of "
-                            f"{svc.settings.max_tokens_cap}")
+        raise HTTPException(
+            status_code=400,
+            detail=f"max_tokens {max_tokens} exceeds this server's cap of {svc.settings.max_tokens_cap}",
+        )
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
-                                seed=body.seed, stop=tuple(stops))
+        params = SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            max_tokens=max_tokens,
+            seed=body.seed,
+            stop=tuple(stops),
+        )
         n_prompt = len(svc.engine.encode_prompt(messages))
     except ValueError as exc:
         raise HTTPException(status_code=400, detail=str(exc).splitlines()[0]) from None
     if n_prompt > svc.settings.max_prompt_tokens:
-        raise HTTPException(status_code=400, detail=f"prompt is {n_prompt} tokens; this server accepts up to "
-                            f"{svc.settings.max_prompt_tokens}")
+        raise HTTPException(
+            status_code=400,
+            detail=f"prompt is {n_prompt} tokens; this server accepts up to {svc.settings.max_prompt_tokens}",
+        )
     return messages, params, _mode(svc, body.mode), n_prompt
 
 
@@ -74,19 +89,31 @@ def _finish(reason: str) -> str:
 @router.get("/v1/models")
 def models(request: Request, who: Principal = Depends(principal)) -> dict[str, Any]:
     svc = services(request)
-    return {"object": "list", "data": [{"id": svc.settings.model_name, "object": "model", "created": 0,
-                                        "owned_by": "elesium", "modes": list(svc.engine.modes)}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": svc.settings.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "elesium",
+                "modes": list(svc.engine.modes),
+            }
+        ],
+    }
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           who: Principal = Depends(principal)) -> Any:
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, who: Principal = Depends(principal)
+) -> Any:
     svc = services(request)
     messages, params, mode, _ = _prepare(svc, body)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     model = svc.settings.model_name
     if not body.stream:
+
         def work() -> Any:
             gen = svc.engine.generate(messages, params, mode=mode)
             svc.metrics.generated_tokens.inc(gen.new_tokens)
@@ -95,12 +122,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
             return gen
 
         gen = await svc.worker.run(work)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": f"seed-{gen.seed}",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                             "finish_reason": _finish(gen.finish_reason), "logprobs": None}],
-                "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.new_tokens,
-                          "total_tokens": gen.prompt_tokens + gen.new_tokens}}
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": f"seed-{gen.seed}",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": gen.text},
+                    "finish_reason": _finish(gen.finish_reason),
+                    "logprobs": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": gen.prompt_tokens,
+                "completion_tokens": gen.new_tokens,
+                "total_tokens": gen.prompt_tokens + gen.new_tokens,
+            },
+        }
 
     channel = RunChannel()
 
@@ -121,9 +162,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
             svc.metrics.generated_tokens.inc(gen.new_tokens)
             svc.metrics.prompt_tokens.inc(gen.prompt_tokens)
             svc.metrics.observe_steps(list(gen.steps))
-            channel.publish("done", {"finish_reason": _finish(gen.finish_reason), "usage": {
-                "prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.new_tokens,
-                "total_tokens": gen.prompt_tokens + gen.new_tokens}})
+            channel.publish(
+                "done",
+                {
+                    "finish_reason": _finish(gen.finish_reason),
+                    "usage": {
+                        "prompt_tokens": gen.prompt_tokens,
+                        "completion_tokens": gen.new_tokens,
+                        "total_tokens": gen.prompt_tokens + gen.new_tokens,
+                    },
+                },
+            )
         except Exception as exc:  # noqa: BLE001 - reported in-stream: the headers are already sent
             channel.publish("error", {"message": f"{type(exc).__name__}: {exc}"})
         finally:
@@ -135,8 +184,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def frame(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        data = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
         if include_usage:
             data["usage"] = None
         return f"data: {json.dumps(data)}\n\n".encode()
@@ -149,13 +203,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
             elif kind == "done":
                 yield frame({}, data["finish_reason"])
                 if include_usage:
-                    usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": [], "usage": data["usage"]}
+                    usage = {
+                        "id": cid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": data["usage"],
+                    }
                     yield f"data: {json.dumps(usage)}\n\n".encode()
             elif kind == "error":
                 yield f"data: {json.dumps({'error': data})}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
-
-

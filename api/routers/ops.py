@@ -29,8 +29,10 @@ def readyz(request: Request) -> Any:
     except Exception:  # noqa: BLE001 - unreachable Redis is exactly what this reports
         checks["redis"] = False
     ok = all(checks.values())
-    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks,
-                         "engine_queue_depth": svc.worker.depth}, status_code=200 if ok else 503)
+    return JSONResponse(
+        {"status": "ready" if ok else "not ready", "checks": checks, "engine_queue_depth": svc.worker.depth},
+        status_code=200 if ok else 503,
+    )
 
 
 @router.get("/metrics")

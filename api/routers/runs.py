@@ -20,7 +20,9 @@ from elesium.state.threads import RunRow, ThreadRow
 router = APIRouter(tags=["runs"])
 
 
-def _create(svc: Services, who: Principal, thread_id: str | None, body: RunCreate) -> tuple[RunRow, RunChannel]:
+def _create(
+    svc: Services, who: Principal, thread_id: str | None, body: RunCreate
+) -> tuple[RunRow, RunChannel]:
     if thread_id is None:  # stateless: validate against a thread that exists only once the run is valid
         thread = ThreadRow(thread_id=str(uuid.uuid4()), tenant=who.tenant, metadata={"stateless": True})
         wf, row = svc.prepare_run(who, thread, body)
@@ -58,36 +60,48 @@ async def _final(svc: Services, row: RunRow, channel: RunChannel | None) -> Any:
     return values
 
 
-def _sse(request: Request, svc: Services, row: RunRow, channel: RunChannel, *, cancel_on_disconnect: bool,
-         headers: dict[str, str] | None = None) -> StreamingResponse:
+def _sse(
+    request: Request,
+    svc: Services,
+    row: RunRow,
+    channel: RunChannel,
+    *,
+    cancel_on_disconnect: bool,
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         on_disconnect = (lambda: svc.cancel(row.run_id)) if cancel_on_disconnect else None
         async for event, data in follow_until_disconnect(request, channel, on_disconnect=on_disconnect):
             yield sse_frame(event, data)
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-store", **(headers or {})})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-store", **(headers or {})}
+    )
 
 
 # ---------------------------------------------------------------- threaded and stateless creation
 @router.post("/threads/{thread_id}/runs")
-async def create_run(thread_id: str, body: RunCreate, request: Request, response: Response,
-                     who: Principal = Depends(principal)) -> dict[str, Any]:
+async def create_run(
+    thread_id: str, body: RunCreate, request: Request, response: Response, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     row, _ = _create(services(request), who, thread_id, body)
     response.headers.update(_location(row))
     return run_json(row)
 
 
 @router.post("/runs")
-async def create_stateless_run(body: RunCreate, request: Request, response: Response,
-                               who: Principal = Depends(principal)) -> dict[str, Any]:
+async def create_stateless_run(
+    body: RunCreate, request: Request, response: Response, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     row, _ = _create(services(request), who, None, body)
     response.headers.update(_location(row))
     return run_json(row)
 
 
 @router.post("/threads/{thread_id}/runs/wait")
-async def wait_run(thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)) -> Any:
+async def wait_run(
+    thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
+) -> Any:
     svc = services(request)
     row, channel = _create(svc, who, thread_id, body)
     return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
@@ -101,21 +115,35 @@ async def wait_stateless_run(body: RunCreate, request: Request, who: Principal =
 
 
 @router.post("/threads/{thread_id}/runs/stream")
-async def stream_run(thread_id: str, body: RunCreate, request: Request,
-                     who: Principal = Depends(principal)) -> StreamingResponse:
+async def stream_run(
+    thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
+) -> StreamingResponse:
     svc = services(request)
     row, channel = _create(svc, who, thread_id, body)
-    return _sse(request, svc, row, channel, cancel_on_disconnect=body.on_disconnect != "continue",
-                headers=_location(row))
+    return _sse(
+        request,
+        svc,
+        row,
+        channel,
+        cancel_on_disconnect=body.on_disconnect != "continue",
+        headers=_location(row),
+    )
 
 
 @router.post("/runs/stream")
-async def stream_stateless_run(body: RunCreate, request: Request,
-                               who: Principal = Depends(principal)) -> StreamingResponse:
+async def stream_stateless_run(
+    body: RunCreate, request: Request, who: Principal = Depends(principal)
+) -> StreamingResponse:
     svc = services(request)
     row, channel = _create(svc, who, None, body)
-    return _sse(request, svc, row, channel, cancel_on_disconnect=body.on_disconnect != "continue",
-                headers=_location(row))
+    return _sse(
+        request,
+        svc,
+        row,
+        channel,
+        cancel_on_disconnect=body.on_disconnect != "continue",
+        headers=_location(row),
+    )
 
 
 # ---------------------------------------------------------------- existing runs
@@ -128,18 +156,30 @@ def _run_or_404(svc: Services, who: Principal, thread_id: str, run_id: str) -> R
 
 
 @router.get("/threads/{thread_id}/runs")
-def list_runs(thread_id: str, request: Request, limit: int = 10, offset: int = 0, status: str | None = None,
-              who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def list_runs(
+    thread_id: str,
+    request: Request,
+    limit: int = 10,
+    offset: int = 0,
+    status: str | None = None,
+    who: Principal = Depends(principal),
+) -> list[dict[str, Any]]:
     svc = services(request)
     svc.thread_or_404(thread_id, who)
     if limit < 0 or offset < 0:
         raise HTTPException(status_code=422, detail="limit and offset must be >= 0")
-    return [run_json(r) for r in svc.store.list_runs(thread_id, who.tenant, limit=min(limit, 1000), offset=offset,
-                                                     status=status)]
+    return [
+        run_json(r)
+        for r in svc.store.list_runs(
+            thread_id, who.tenant, limit=min(limit, 1000), offset=offset, status=status
+        )
+    ]
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}")
-def get_run(thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)) -> dict[str, Any]:
+def get_run(
+    thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     return run_json(_run_or_404(services(request), who, thread_id, run_id))
 
 
@@ -151,8 +191,9 @@ async def join_run(thread_id: str, run_id: str, request: Request, who: Principal
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/stream")
-async def join_stream(thread_id: str, run_id: str, request: Request,
-                      who: Principal = Depends(principal)) -> StreamingResponse:
+async def join_stream(
+    thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
+) -> StreamingResponse:
     svc = services(request)
     row = _run_or_404(svc, who, thread_id, run_id)
     channel = svc.channel_or_none(run_id)
@@ -164,8 +205,14 @@ async def join_stream(thread_id: str, run_id: str, request: Request,
 
 
 @router.post("/threads/{thread_id}/runs/{run_id}/cancel")
-async def cancel_run(thread_id: str, run_id: str, request: Request, wait: bool = False, action: str = "interrupt",
-                     who: Principal = Depends(principal)) -> Any:
+async def cancel_run(
+    thread_id: str,
+    run_id: str,
+    request: Request,
+    wait: bool = False,
+    action: str = "interrupt",
+    who: Principal = Depends(principal),
+) -> Any:
     svc = services(request)
     row = _run_or_404(svc, who, thread_id, run_id)
     if action not in ("interrupt", "rollback"):
@@ -181,7 +228,9 @@ async def cancel_run(thread_id: str, run_id: str, request: Request, wait: bool =
 
 
 @router.delete("/threads/{thread_id}/runs/{run_id}", status_code=204)
-def delete_run(thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)) -> Response:
+def delete_run(
+    thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
+) -> Response:
     svc = services(request)
     row = _run_or_404(svc, who, thread_id, run_id)
     if row.status in ("pending", "running"):

@@ -8,7 +8,14 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
 from elesium.api.auth import Principal, principal
 from elesium.api.routers.common import empty_state, services, state_json, thread_json
-from elesium.api.schemas import HistoryRequest, StateCheckpointRequest, StateUpdate, ThreadCreate, ThreadPatch, ThreadSearch
+from elesium.api.schemas import (
+    HistoryRequest,
+    StateCheckpointRequest,
+    StateUpdate,
+    ThreadCreate,
+    ThreadPatch,
+    ThreadSearch,
+)
 from elesium.graphs.audit import calls_key
 from elesium.graphs.replay import jsonable
 
@@ -24,18 +31,26 @@ def _values(request: Request, row: Any) -> tuple[Any, list[Any]]:
 
 
 @router.post("/threads")
-def create_thread(body: ThreadCreate, request: Request, who: Principal = Depends(principal)) -> dict[str, Any]:
+def create_thread(
+    body: ThreadCreate, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     row = services(request).create_thread(who, body.thread_id, body.metadata, body.if_exists)
     return thread_json(row)
 
 
 @router.post("/threads/search")
-def search_threads(body: ThreadSearch, request: Request, who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def search_threads(
+    body: ThreadSearch, request: Request, who: Principal = Depends(principal)
+) -> list[dict[str, Any]]:
     rows = services(request).store.list_threads(who.tenant, limit=10_000)
-    rows = [r for r in rows if (body.status is None or r.status == body.status)
-            and (body.ids is None or r.thread_id in body.ids)
-            and all(r.metadata.get(k) == v for k, v in (body.metadata or {}).items())]
-    return [thread_json(r) for r in rows[body.offset: body.offset + body.limit]]
+    rows = [
+        r
+        for r in rows
+        if (body.status is None or r.status == body.status)
+        and (body.ids is None or r.thread_id in body.ids)
+        and all(r.metadata.get(k) == v for k, v in (body.metadata or {}).items())
+    ]
+    return [thread_json(r) for r in rows[body.offset : body.offset + body.limit]]
 
 
 @router.post("/threads/count")
@@ -51,8 +66,9 @@ def get_thread(thread_id: str, request: Request, who: Principal = Depends(princi
 
 
 @router.patch("/threads/{thread_id}")
-def patch_thread(thread_id: str, body: ThreadPatch, request: Request,
-                 who: Principal = Depends(principal)) -> dict[str, Any]:
+def patch_thread(
+    thread_id: str, body: ThreadPatch, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     svc = services(request)
     row = svc.thread_or_404(thread_id, who)
     svc.store.update_thread(thread_id, metadata={**row.metadata, **(body.metadata or {})})
@@ -64,7 +80,9 @@ def delete_thread(thread_id: str, request: Request, who: Principal = Depends(pri
     svc = services(request)
     row = svc.thread_or_404(thread_id, who)
     if row.status == "busy":
-        raise HTTPException(status_code=409, detail=f"thread {thread_id!r} has a run in progress; cancel it first")
+        raise HTTPException(
+            status_code=409, detail=f"thread {thread_id!r} has a run in progress; cancel it first"
+        )
     run_ids = svc.store.delete_thread(thread_id, who.tenant)
     svc.saver.delete_thread(thread_id)
     for rid in run_ids:
@@ -92,22 +110,25 @@ def _state_at(request: Request, thread_id: str, checkpoint_id: str, who: Princip
 
 
 @router.get("/threads/{thread_id}/state/{checkpoint_id}")
-def get_state_at(thread_id: str, checkpoint_id: str, request: Request,
-                 who: Principal = Depends(principal)) -> dict[str, Any]:
+def get_state_at(
+    thread_id: str, checkpoint_id: str, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     return _state_at(request, thread_id, checkpoint_id, who)
 
 
 @router.post("/threads/{thread_id}/state/checkpoint")
-def post_state_at(thread_id: str, body: StateCheckpointRequest, request: Request,
-                  who: Principal = Depends(principal)) -> dict[str, Any]:
+def post_state_at(
+    thread_id: str, body: StateCheckpointRequest, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     if not body.checkpoint.checkpoint_id:
         return get_state(thread_id, request, who)
     return _state_at(request, thread_id, body.checkpoint.checkpoint_id, who)
 
 
 @router.post("/threads/{thread_id}/state")
-async def update_state(thread_id: str, body: StateUpdate, request: Request,
-                       who: Principal = Depends(principal)) -> dict[str, Any]:
+async def update_state(
+    thread_id: str, body: StateUpdate, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
     """Write values as if ``as_node`` returned them (on the engine thread, in order with runs)."""
     svc = services(request)
     row = svc.thread_or_404(thread_id, who)
@@ -115,7 +136,9 @@ async def update_state(thread_id: str, body: StateUpdate, request: Request,
         raise HTTPException(status_code=409, detail=f"thread {thread_id!r} has a run in progress")
     graph = svc.thread_graph(row)
     if graph is None:
-        raise HTTPException(status_code=409, detail=f"thread {thread_id!r} has no state yet; start a run first")
+        raise HTTPException(
+            status_code=409, detail=f"thread {thread_id!r} has no state yet; start a run first"
+        )
     parent = body.checkpoint_id or (body.checkpoint.checkpoint_id if body.checkpoint else None)
     cfg: dict[str, Any] = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
     if parent:
@@ -131,35 +154,64 @@ async def update_state(thread_id: str, body: StateUpdate, request: Request,
         except Exception as exc:  # noqa: BLE001 - LangGraph rejects ambiguous or invalid updates
             raise HTTPException(status_code=422, detail=f"state update rejected: {exc}") from None
         new_id = new["configurable"]["checkpoint_id"]
-        svc.store.add_op(thread_id, {"kind": "update", "values": body.values, "as_node": body.as_node,
-                                     "checkpoint_id": parent, "result_checkpoint": new_id, "by": who.identity})
+        svc.store.add_op(
+            thread_id,
+            {
+                "kind": "update",
+                "values": body.values,
+                "as_node": body.as_node,
+                "checkpoint_id": parent,
+                "result_checkpoint": new_id,
+                "by": who.identity,
+            },
+        )
         snap = graph.get_state({"configurable": {"thread_id": thread_id}})
         status = "interrupted" if getattr(snap, "interrupts", ()) else "idle"
         svc.store.update_thread(thread_id, status=status)
-        return {"checkpoint": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": new_id,
-                               "checkpoint_map": None}}
+        return {
+            "checkpoint": {
+                "thread_id": thread_id,
+                "checkpoint_ns": "",
+                "checkpoint_id": new_id,
+                "checkpoint_map": None,
+            }
+        }
 
     return await svc.worker.run(apply)
 
 
 @router.post("/threads/{thread_id}/history")
-def history(thread_id: str, body: HistoryRequest, request: Request,
-            who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def history(
+    thread_id: str, body: HistoryRequest, request: Request, who: Principal = Depends(principal)
+) -> list[dict[str, Any]]:
     row = services(request).thread_or_404(thread_id, who)
     graph = services(request).thread_graph(row)
     if graph is None:
         return []
     before = body.before
-    before_id = before if isinstance(before, str) else (
-        before.checkpoint_id if hasattr(before, "checkpoint_id") else (before or {}).get("checkpoint_id"))
-    before_cfg = {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": before_id}} \
-        if before_id else None
-    snaps = graph.get_state_history({"configurable": {"thread_id": thread_id}}, limit=body.limit,
-                                    before=before_cfg, filter=body.metadata or None)
+    before_id = (
+        before
+        if isinstance(before, str)
+        else (
+            before.checkpoint_id if hasattr(before, "checkpoint_id") else (before or {}).get("checkpoint_id")
+        )
+    )
+    before_cfg = (
+        {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": before_id}}
+        if before_id
+        else None
+    )
+    snaps = graph.get_state_history(
+        {"configurable": {"thread_id": thread_id}},
+        limit=body.limit,
+        before=before_cfg,
+        filter=body.metadata or None,
+    )
     return [state_json(s, thread_id) for s in snaps]
 
 
 @router.get("/threads/{thread_id}/history")
-def history_get(thread_id: str, request: Request, limit: int = 10,
-                who: Principal = Depends(principal)) -> list[dict[str, Any]]:
+def history_get(
+    thread_id: str, request: Request, limit: int = 10, who: Principal = Depends(principal)
+) -> list[dict[str, Any]]:
     return history(thread_id, HistoryRequest(limit=max(1, min(limit, 1000))), request, who)

@@ -22,21 +22,31 @@ from elesium.commands.common import add_model_args, add_state_args, load_engine,
 
 SAMPLE_TICKET = {
     "subject": "Nobody can log in to the helpdesk",
-    "body": "Since 09:10 UTC none of our 40 agents can log in to the helpdesk; the login page returns HTTP 502. "
-            "Customers are waiting. Order ORD-48213.",
+    "body": "Since 09:10 UTC none of our 40 agents can log in to the helpdesk; "
+    "the login page returns HTTP 502. "
+    "Customers are waiting. Order ORD-48213.",
     "customer": "Dana at Northwind",
 }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="serve the API locally and run ticket-triage through the SDK: stream, approve, "
-                       "acceptance, replay")
-    p.add_argument("--ticket", default=None, help="ticket JSON ({subject, body, customer}); default: a sample")
+    p = sub.add_parser(
+        "demo",
+        help="serve the API locally and run ticket-triage through the SDK: stream, approve, "
+        "acceptance, replay",
+    )
+    p.add_argument(
+        "--ticket", default=None, help="ticket JSON ({subject, body, customer}); default: a sample"
+    )
     p.add_argument("--seed", type=int, default=7, help="run seed (the replay reproduces it)")
     p.add_argument("--reject", action="store_true", help="answer the approval with a rejection")
-    p.add_argument("--mode", choices=["vanilla", "speculative", "typical"], default=None,
-                   help="decode mode of the LLM nodes (default: speculative when draft heads are loaded, to show "
-                   "the acceptance log; the engine's own default on this device may be vanilla)")
+    p.add_argument(
+        "--mode",
+        choices=["vanilla", "speculative", "typical"],
+        default=None,
+        help="decode mode of the LLM nodes (default: speculative when draft heads are loaded, to show "
+        "the acceptance log; the engine's own default on this device may be vanilla)",
+    )
     add_model_args(p)
     add_state_args(p)
     p.set_defaults(handler=run)
@@ -76,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"ticket: {ticket['subject']}")
         interrupt: dict[str, Any] | None = None
         streaming_node = None
-        for part in client.runs.stream(tid, assistant["assistant_id"], input=ticket,
-                                       config={"configurable": {"run_seed": args.seed, "mode": mode}},
-                                       stream_mode=["updates", "messages-tuple"]):
+        for part in client.runs.stream(
+            tid,
+            assistant["assistant_id"],
+            input=ticket,
+            config={"configurable": {"run_seed": args.seed, "mode": mode}},
+            stream_mode=["updates", "messages-tuple"],
+        ):
             if part.event == "messages":
                 message, meta = part.data
                 node = meta.get("langgraph_node")
@@ -101,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(f"the run failed: {part.data.get('message')}")
         if interrupt is None:
             raise CliError("the triage run ended without asking for approval")
-        print(f"\napproval requested: {interrupt.get('question')} (category {interrupt.get('category')}, "
-              f"priority {interrupt.get('priority')}, team {interrupt.get('team')})")
+        print(
+            f"\napproval requested: {interrupt.get('question')} (category {interrupt.get('category')}, "
+            f"priority {interrupt.get('priority')}, team {interrupt.get('team')})"
+        )
         decision = {"approved": not args.reject, "reviewer": "demo reviewer"}
         print(f"answering: {json.dumps(decision)}")
         result = client.runs.wait(tid, assistant["assistant_id"], command={"resume": decision})
@@ -116,21 +132,28 @@ def run(args: argparse.Namespace) -> int:
 
         acc = client.acceptance(tid, first["run_id"], limit=1)
         summary = acc["summary"]
-        print(f"\nacceptance (run {first['run_id'][:8]}): {len(acc['calls'])} LLM calls, "
-              f"{summary['total_tokens']} tokens in {summary['steps']} steps, tau {summary['tau']:.2f}")
+        print(
+            f"\nacceptance (run {first['run_id'][:8]}): {len(acc['calls'])} LLM calls, "
+            f"{summary['total_tokens']} tokens in {summary['steps']} steps, tau {summary['tau']:.2f}"
+        )
         for node, s in acc["per_node"].items():
             depth = ", ".join(f"{x:.2f}" for x in s["acceptance_by_depth"][:4]) or "-"
             print(f"  {node}: {s['steps']} steps, tau {s['tau']:.2f}, acceptance by depth [{depth}]")
 
         report = client.replay(tid, last["run_id"], mode="reexecute")
-        print(f"\nreplay (re-execute both runs): {report['verdict'].upper()} - {report['calls_compared']} LLM calls, "
-              f"{report['tokens_compared']} tokens, {report['checkpoints_compared']} checkpoints compared "
-              f"in {report['elapsed_s']:.1f} s")
+        print(
+            f"\nreplay (re-execute both runs): {report['verdict'].upper()} - "
+            f"{report['calls_compared']} LLM calls, "
+            f"{report['tokens_compared']} tokens, {report['checkpoints_compared']} checkpoints compared "
+            f"in {report['elapsed_s']:.1f} s"
+        )
         for note in report["notes"]:
             print(f"  note: {note}")
         if report["divergence"]:
             d = report["divergence"]
-            print(f"  first divergence: node {d['node']} call {d['call']} step {d['step']} field {d['field']}: "
-                  f"recorded {d['recorded']!r}, replayed {d['replayed']!r}")
+            print(
+                f"  first divergence: node {d['node']} call {d['call']} step {d['step']} field {d['field']}: "
+                f"recorded {d['recorded']!r}, replayed {d['replayed']!r}"
+            )
     _say(f"\nserver stopped; demo took {time.perf_counter() - started:.0f} s")
     return 0 if report["verdict"] == "identical" else 1

@@ -16,7 +16,9 @@ from elesium.commands.common import add_model_args, load_engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help="re-execute an API run and prove every token and checkpoint is the same")
+    p = sub.add_parser(
+        "replay", help="re-execute an API run and prove every token and checkpoint is the same"
+    )
     p.add_argument("run_id")
     p.add_argument("--mode", choices=["reexecute", "recorded"], default="reexecute")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
@@ -36,12 +38,20 @@ def run(args: argparse.Namespace) -> int:
     store = ThreadStore(client)
     row = store.get_run_any(args.run_id)
     if row is None:
-        raise CliError(f"no API run {args.run_id!r} in {url} (runs started with `elesium run` are not API runs)")
+        raise CliError(
+            f"no API run {args.run_id!r} in {url} (runs started with `elesium run` are not API runs)"
+        )
     engine = load_engine(args)
     try:
-        report = rp.replay_stored_run(store=store, registry=default_registry(), engine=engine,
-                                      saver=RedisSaver(client), run_id=args.run_id, mode=args.mode,
-                                      by=f"cli/{getpass.getuser()}")
+        report = rp.replay_stored_run(
+            store=store,
+            registry=default_registry(),
+            engine=engine,
+            saver=RedisSaver(client),
+            run_id=args.run_id,
+            mode=args.mode,
+            by=f"cli/{getpass.getuser()}",
+        )
     except (rp.ReplayRefused, KeyError) as exc:
         raise CliError(str(exc).strip("'\"")) from None
     if args.json:
@@ -49,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         for note in report.notes:
             print(f"note: {note}")
-        print(f"{report.verdict}: run {report.run_id} ({report.mode}) - {report.calls_compared} LLM calls, "
-              f"{report.tokens_compared} tokens, {report.checkpoints_compared} checkpoints compared")
+        print(
+            f"{report.verdict}: run {report.run_id} ({report.mode}) - {report.calls_compared} LLM calls, "
+            f"{report.tokens_compared} tokens, {report.checkpoints_compared} checkpoints compared"
+        )
         if report.divergence is not None:
             print(report.divergence.describe())
     return 0 if report.verdict == "identical" else 3
