@@ -97,6 +97,24 @@ def test_disconnect_mid_stream_frees_the_engine(api_server):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
+def test_chat_stream_disconnect_frees_the_engine(api_server):
+    body = {"model": "elesium", "stream": True, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "Write a long essay about bridges."}]}
+    with api_server.http(KEY_A) as h:
+        with h.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    break
+        deadline = time.monotonic() + 15
+        while api_server.services.worker.depth:
+            assert time.monotonic() < deadline, "the abandoned generation still holds the engine"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = h.post("/v1/chat/completions", json={"model": "elesium", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and time.monotonic() - t0 < 30
+
+
 def test_health_answers_while_the_engine_is_busy(api_server):
     with api_server.http(KEY_A) as h:
         tid = h.post("/threads", json={}).json()["thread_id"]
