@@ -106,8 +106,9 @@ def test_calibrations_from_a_synthetic_log_are_bounded_and_versioned(redis_url: 
     easy = NodeCalibration.from_dict(store.get("wf", "easy", "v1")["policy"])
     hard = NodeCalibration.from_dict(store.get("wf", "hard", "v1")["policy"])
     # The raw estimates (about 7.5 and 0.09) are clamped to the bounds, and so is what follows from them.
-    assert (easy.calibration, easy.draft_temperature, easy.max_nodes) == (4.0, 0.5, 32)
-    assert (hard.calibration, hard.draft_temperature) == (0.25, 2.0)
+    # (the draft temperature is left to the engine's policy: derived versions do not set one)
+    assert (easy.calibration, easy.draft_temperature, easy.max_nodes) == (4.0, None, 32)
+    assert (hard.calibration, hard.draft_temperature) == (0.25, None)
     assert bounds.min_nodes <= hard.max_nodes <= 8
     assert store.current("wf", "thin") == "global"  # 3 steps: too little evidence to leave the global policy
     doc = store.get("wf", "easy", "v1")
@@ -147,6 +148,9 @@ def test_applied_calibration_stays_within_the_engine_budget() -> None:
     base = TreePolicy(kind="dynamic", max_nodes=16)
     policy = apply(base, NodeCalibration(max_nodes=64, calibration=2.0, draft_temperature=0.7))
     assert (policy.max_nodes, policy.calibration, policy.draft_temperature) == (16, 2.0, 0.7)
+    # A version without a temperature keeps the engine's; a pinned one is clamped to the bounds.
+    assert apply(base, NodeCalibration(8, 2.0)).draft_temperature == base.draft_temperature
+    assert apply(base, NodeCalibration(8, 2.0, 9.0)).draft_temperature == CalibrationBounds.max_temperature
     assert base.calibration == 1.0  # the engine's own policy is untouched
     assert apply(TreePolicy(kind="static", static_paths=((0,),)), NodeCalibration(8, 2.0, 0.7)) is None
 
@@ -199,7 +203,7 @@ def test_tune_from_log_prints_the_before_after_table(redis_url: str, key_prefix:
         "v1",
         "64",
         "4.00",
-        "0.50",
+        "-",
     ]
     assert table["thin"][10] == "global" and table["hard"][10:13] == ["v1", "8", "0.25"]
     assert out[4].startswith("2 of 3 node calibrations changed")
@@ -270,9 +274,8 @@ def test_runs_use_record_and_update_the_node_calibration(runner: WorkflowRunner)
     assert runner.runs.get(second.run_id).calibrations == {"write": "v1"}
     # The node really decoded with v1: its first tree was built from v1's calibration factor.
     first_step = next(e.record for e in runner.log.iter_entries(second.run_id) if e.kind == "step")
-    assert first_step.calibration == pytest.approx(
-        v1.calibration
-    ) and first_step.draft_temperature == pytest.approx(v1.draft_temperature)
+    assert first_step.calibration == pytest.approx(v1.calibration) and v1.calibration != 1.0
+    assert first_step.draft_temperature == runner.engine.policy.draft_temperature
     counted = sum(1 for e in runner.log.iter_entries(second.run_id) if e.kind == "step")
     assert store.counters("tiny-calibrated", "write")["steps"] == n_steps + counted
 

@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 def _policy_cells(label: str, calib: object | None) -> list[str]:
     if calib is None:
         return [label, "-", "-", "-"]
-    return [label, str(calib.max_nodes), f"{calib.calibration:.2f}", f"{calib.draft_temperature:.2f}"]
+    temperature = "-" if calib.draft_temperature is None else f"{calib.draft_temperature:.2f}"
+    return [label, str(calib.max_nodes), f"{calib.calibration:.2f}", temperature]
 
 
 def format_table(rows: list) -> str:

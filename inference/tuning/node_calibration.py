@@ -10,9 +10,13 @@ too short for its moving average to settle. So we keep what every call of a node
 - :class:`NodeStats` sums, over the node's logged decode steps, accepted drafts, the heads' own
   (uncalibrated) predictions, tree sizes, per-depth acceptance, time and tokens per call;
 - :func:`derive` turns them into a :class:`NodeCalibration`: the calibration factor to start from
-  (a ratio estimator shrunk towards 1.0 by a prior, so thin evidence stays near the global policy),
-  the draft temperature the policy itself would move to at that factor, and a tree budget sized to
-  the trees the node actually uses; every value clamped to :class:`CalibrationBounds`;
+  (a ratio estimator shrunk towards 1.0 by a prior, so thin evidence stays near the global policy)
+  and a tree budget sized to the trees the node actually uses; every value clamped to
+  :class:`CalibrationBounds`. The draft temperature stays the global policy's: moving it with the
+  factor (``1 / sqrt(c)``, the policy's own online rule) lowered tau on two incident-summary nodes in
+  the first benchmark (BENCHMARKS.md section 9), because it reorders the ranked drafts, whereas a
+  larger factor alone only extends the tree along the same ranking. A version may still pin a
+  temperature (``draft_temperature`` set);
 - :func:`apply` makes the engine's policy with those values, and :func:`material_change` decides
   whether a new estimate is worth a new (immutable) calibration version.
 
@@ -173,14 +177,16 @@ class NodeCalibration:
 
     max_nodes: int
     calibration: float
-    draft_temperature: float
+    draft_temperature: float | None = None  # None: the engine policy's
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> NodeCalibration:
-        return cls(int(d["max_nodes"]), float(d["calibration"]), float(d["draft_temperature"]))
+        temperature = d.get("draft_temperature")
+        return cls(int(d["max_nodes"]), float(d["calibration"]),
+                   None if temperature is None else float(temperature))
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
@@ -197,7 +203,7 @@ def derive(stats: NodeStats, bounds: CalibrationBounds = CalibrationBounds()) ->
 
     - calibration: ``(observed + prior) / (raw predicted + prior)``, the factor that makes the heads'
       predictions match what this node accepts (what the online update converges to);
-    - draft temperature: ``1 / sqrt(calibration)``, the target the policy's own update moves to;
+    - draft temperature: left to the engine's policy (see the module docstring);
     - budget: twice the 95th-percentile tree the node built, scaled by how much the new factor
       exceeds the one those trees were built with, rounded up to a forward bucket.
     """
@@ -208,8 +214,7 @@ def derive(stats: NodeStats, bounds: CalibrationBounds = CalibrationBounds()) ->
     used = stats.calibrated / stats.raw_predicted  # mean factor the logged trees were built with
     grow = max(1.0, c / used) if used > 0 else 1.0
     budget = int(_clamp(_bucket(2 * stats.size_quantile(0.95) * grow), bounds.min_nodes, bounds.max_nodes))
-    temperature = _clamp(1.0 / math.sqrt(c), bounds.min_temperature, bounds.max_temperature)
-    return NodeCalibration(max_nodes=budget, calibration=round(c, 4), draft_temperature=round(temperature, 4))
+    return NodeCalibration(max_nodes=budget, calibration=round(c, 4))
 
 
 def material_change(old: NodeCalibration | None, new: NodeCalibration | None) -> bool:
@@ -219,12 +224,14 @@ def material_change(old: NodeCalibration | None, new: NodeCalibration | None) ->
     if old is None:
         return True
     return (old.max_nodes != new.max_nodes or abs(math.log(new.calibration / old.calibration)) > 0.1
-            or abs(new.draft_temperature - old.draft_temperature) > 0.05)
+            or old.draft_temperature != new.draft_temperature)
 
 
 def apply(base: TreePolicy, calib: NodeCalibration) -> TreePolicy | None:
     """The engine's policy started from ``calib``; None for a static tree (nothing to calibrate)."""
     if base.kind != "dynamic":
         return None
+    temperature = base.draft_temperature if calib.draft_temperature is None else _clamp(
+        calib.draft_temperature, CalibrationBounds.min_temperature, CalibrationBounds.max_temperature)
     return dataclasses.replace(base, max_nodes=max(base.min_nodes, min(calib.max_nodes, base.max_nodes)),
-                               calibration=calib.calibration, draft_temperature=calib.draft_temperature)
+                               calibration=calib.calibration, draft_temperature=temperature)
