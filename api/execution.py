@@ -63,6 +63,7 @@ class Services:
     metrics: Metrics
     tracing: Tracing
     channels: dict[str, RunChannel] = field(default_factory=dict)
+    server_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     _graphs: dict[tuple[str, str], Any] = field(default_factory=dict)
     _graph_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -141,10 +142,30 @@ class Services:
 
     # ---------------------------------------------------------------- threads
     def thread_or_404(self, thread_id: str, who: Principal) -> ThreadRow:
-        row = self.store.get_thread(thread_id, who.tenant)
+        row = self.get_thread(thread_id, who.tenant)
         if row is None:
             raise not_found("thread", thread_id)
         return row
+
+    def get_thread(self, thread_id: str, tenant: str) -> ThreadRow | None:
+        """The thread, after failing any run of it whose server died mid-run (else it stays busy forever).
+
+        Checked lazily on read, per run, against the executing server's heartbeat key, so several
+        servers can share one Redis without one declaring another's live runs dead.
+        """
+        row = self.store.get_thread(thread_id, tenant)
+        if row is None or row.status != "busy":
+            return row
+        for run in self.store.list_runs(thread_id, tenant, limit=5):
+            if run.status not in ("pending", "running") or run.server == self.server_id:
+                continue
+            if run.server and self.store.server_alive(run.server):
+                continue
+            self.store.update_run(run.run_id, status="error", error="the server executing this run stopped "
+                                  "before it ended")
+            self._registry_status(run.run_id, "failed", "server stopped")
+            self.store.update_thread(thread_id, status="idle")
+        return self.store.get_thread(thread_id, tenant)
 
     def create_thread(
         self,
@@ -248,6 +269,7 @@ class Services:
             request=request,
             seed=int(seed) if seed is not None else secrets.randbits(63),
             approver=who.identity if "command" in request and "resume" in request["command"] else None,
+            server=self.server_id,
             fingerprint=self.fingerprint(request.get("mode")),
         )
         return wf, row

@@ -146,6 +146,22 @@ def test_cancel_a_running_run(client, api_server):
     assert done["summary"]
 
 
+def test_a_run_orphaned_by_a_dead_server_does_not_block_its_thread(client, api_server):
+    from elesium.state.threads import RunRow
+
+    store = api_server.services.store
+    tid = client.threads.create()["thread_id"]
+    store.create_run(RunRow(run_id="orphan-run", thread_id=tid, tenant="tenant-a", assistant_id="x",
+                            workflow="summary", workflow_version="v", status="running", server="dead-server"))
+    store.update_thread(tid, status="busy")
+    assert client.threads.get(tid)["status"] == "idle"
+    orphan = client.runs.get(tid, "orphan-run")
+    assert orphan["status"] == "error" and "stopped" in orphan["error"]
+    assert client.runs.wait(tid, "summary", input={"topic": "dust"})["summary"]
+    # A run of a live server (this one) is left alone.
+    assert store.server_alive(api_server.services.server_id)
+
+
 def test_stateless_wait_and_seeded_runs_repeat(client):
     one = client.runs.wait(
         None, "summary", input={"topic": "snow"}, config={"configurable": {"run_seed": 11}}

@@ -28,7 +28,7 @@ def _create(
         wf, row = svc.prepare_run(who, thread, body)
         svc.create_thread(who, thread.thread_id, thread.metadata)
     else:
-        thread = svc.store.get_thread(thread_id, who.tenant)
+        thread = svc.get_thread(thread_id, who.tenant)
         if thread is None:
             if body.if_not_exists != "create":
                 raise HTTPException(status_code=404, detail=f"thread {thread_id!r} not found")
