@@ -155,7 +155,9 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
         if "svc" not in holder:
             _install(app)
         stop = threading.Event()
-        beat = threading.Thread(target=_heartbeat, args=(holder["svc"], stop), name="elesium-heartbeat", daemon=True)
+        beat = threading.Thread(
+            target=_heartbeat, args=(holder["svc"], stop), name="elesium-heartbeat", daemon=True
+        )
         beat.start()
         try:
             yield
