@@ -169,6 +169,12 @@ def main() -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=60)
+                # The server's embedded Valkey runs in its own session and outlives a SIGTERM'd uvicorn.
+                from elesium.state.embedded import EmbeddedValkey
+
+                leftover = EmbeddedValkey(Path(tmp))
+                if leftover._attach():
+                    leftover.stop()
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
