@@ -20,6 +20,7 @@ from elesium.errors import SettingsError
 APPENDFSYNC = ("everysec", "always", "no")
 TREE_ATTENTION = ("auto", "reference", "triton")
 INVARIANT_NUMERICS = ("auto", "on", "off")
+CPU_WEIGHTS = ("auto", "gguf-blocks", "bfloat16", "float32")
 
 # Settings field -> its environment variable. The CLI flag is "--" + the field name with dashes.
 ENV_VARS: dict[str, str] = {
@@ -33,6 +34,7 @@ ENV_VARS: dict[str, str] = {
     "valkey_server": "ELESIUM_VALKEY_SERVER",
     "tree_attention": "ELESIUM_TREE_ATTENTION",
     "invariant_numerics": "ELESIUM_INVARIANT_NUMERICS",
+    "cpu_weights": "ELESIUM_CPU_WEIGHTS",
 }
 
 
@@ -62,7 +64,10 @@ class Settings:
     tree-attention path ("reference" or "triton"; "auto" dispatches by device and shape).
     ``invariant_numerics`` ("on", "off"; "auto" = on for CUDA) makes every row of a forward
     independent of the forward's shape, so greedy speculative output equals vanilla in bf16
-    (``inference/runtime/invariant.py``).
+    (``inference/runtime/invariant.py``). ``cpu_weights`` picks the CPU's linear layers: "gguf-blocks"
+    (the file's 4-bit codes through torch's int4 kernel), "bfloat16", or "float32" (the reference);
+    "auto" is gguf-blocks for the default dtype and the reference when a dtype is given
+    (``inference/runtime/cpu_weights.py``).
     """
 
     model: str | None = None
@@ -75,11 +80,12 @@ class Settings:
     valkey_server: str | None = None
     tree_attention: str = "auto"
     invariant_numerics: str = "auto"
+    cpu_weights: str = "auto"
 
     def __post_init__(self) -> None:
         # Device and dtype are checked where they are resolved (against the hardware, at load).
         for name, allowed in (("appendfsync", APPENDFSYNC), ("tree_attention", TREE_ATTENTION),
-                              ("invariant_numerics", INVARIANT_NUMERICS)):
+                              ("invariant_numerics", INVARIANT_NUMERICS), ("cpu_weights", CPU_WEIGHTS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise SettingsError(f"{ENV_VARS[name]} / {cli_flag(name)} must be one of "
@@ -98,7 +104,7 @@ class Settings:
             value = get(name)
             if value is None:
                 continue
-            if name in ("appendfsync", "tree_attention", "invariant_numerics"):
+            if name in ("appendfsync", "tree_attention", "invariant_numerics", "cpu_weights"):
                 value = value.lower()
             values[name] = Path(value).expanduser() if name in ("data_dir", "cache_dir") else value
         return cls(**values)

@@ -39,12 +39,13 @@ from elesium.inference.fifo_gate import FifoGate
 from elesium.inference.generation_stream import GenerationStream
 from elesium.inference.records import DecodeMode, Generation, StepRecord, normalize_mode
 from elesium.inference.runtime.config import DTYPES
+from elesium.inference.runtime.cpu_weights import apply_weight_format, resolve_cpu_weights
 from elesium.inference.runtime.forward import TREE_BUCKETS, CudaGraphRunner, ForwardRunner
 from elesium.inference.runtime.invariant import apply_invariant_numerics
 from elesium.inference.runtime.invariant import resolve as resolve_invariant
 from elesium.inference.runtime.model import Transformer, build_model
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.tuning.profile import TuneProfile, find_profile, profile_path
+from elesium.inference.tuning.profile import TuneProfile, find_profile, profile_path, weights_of
 from elesium.inference.weights.loading import LoadedWeights, load_weights
 from elesium.inference.weights.tokenizer import Message, Tokenizer
 from elesium.kernels.tree_attention import backend as tree_attention_backend
@@ -102,7 +103,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def _is_local_profile(profile: TuneProfile, cache_dir: Path, device: torch.device,
                       dtype: torch.dtype) -> bool:
     """Whether ``profile`` is the one ``elesium tune`` wrote on this machine (else it shipped with us)."""
-    path = profile_path(cache_dir, profile.model_sha256, device, dtype)
+    path = profile_path(cache_dir, profile.model_sha256, device, dtype, profile.weights)
     return path.exists() and TuneProfile.load(path) == profile
 
 
@@ -160,6 +161,10 @@ class Engine:
         weights = load_weights(model if model is not None else settings.model, settings.cache_dir)
         net = build_model(weights.config, weights.state, dev, dt)
         apply_invariant_numerics(net, resolve_invariant(settings.invariant_numerics, dev))
+        # CPU fast path (cpu_weights.py): the file's 4-bit codes through torch's int4 kernel by default.
+        asked = dtype if dtype != "auto" else settings.dtype
+        apply_weight_format(net, resolve_cpu_weights(settings.cpu_weights, dev, asked), weights.source,
+                            cache_dir=settings.cache_dir, sha256=weights.sha256)
         medusa = None
         heads_dir = ""
         if heads == "default":
@@ -182,9 +187,10 @@ class Engine:
             profile_reason = "policy given by the caller"
         else:
             profile = find_profile(settings.cache_dir, weights.sha256, dev, dt,
-                                   medusa.source_sha256 if medusa is not None else "")
+                                   medusa.source_sha256 if medusa is not None else "", weights_of(net))
             policy = profile.policy() if profile is not None else None
-            speculate = profile.speculate if profile is not None else True
+            # On a CPU, speculation costs more than it saves unless a profile measured otherwise.
+            speculate = profile.speculate if profile is not None else dev.type != "cpu"
             profile_reason = ("no tuning profile for this model, device and heads: built-in tree policy"
                               if profile is None else
                               f"tuned on {profile.host or 'an unnamed host'}" if _is_local_profile(
@@ -217,6 +223,9 @@ class Engine:
         """Why ``default_mode`` is what it is, in words."""
         if self.heads is None:
             return "no draft heads loaded"
+        if not self.speculate and self.profile is None:
+            return ("no tuning profile for this CPU, thread count and weight format (run `elesium tune`); "
+                    "--mode speculative still runs it")
         if not self.speculate:
             return (f"profile {self.profile_id} measured speculation slower than vanilla on this hardware "
                     "(speculate: false); --mode speculative still runs it")
@@ -245,7 +254,7 @@ class Engine:
             "profile_id": self.profile_id, "profile_version": self.profile_version,
             "profile_reason": self.profile_reason,
             "default_mode": self.default_mode, "mode_reason": self.mode_reason,
-            "modes": ",".join(self.modes), "attention": self.attention,
+            "modes": ",".join(self.modes), "attention": self.attention, "weights": weights_of(self.model),
         }
 
     def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:

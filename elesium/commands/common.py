@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from elesium.config import APPENDFSYNC, ENV_VARS, INVARIANT_NUMERICS, TREE_ATTENTION, Settings
+from elesium.config import APPENDFSYNC, CPU_WEIGHTS, ENV_VARS, INVARIANT_NUMERICS, TREE_ATTENTION, Settings
 
 
 def _env(name: str) -> str:
@@ -37,6 +37,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--invariant-numerics", choices=list(INVARIANT_NUMERICS), default=None,
                        help="shape-invariant kernels, so greedy speculative output equals vanilla in bf16 "
                        f"(default: {_env('invariant_numerics')}, else auto: on for CUDA)")
+    group.add_argument("--cpu-weights", choices=list(CPU_WEIGHTS), default=None,
+                       help="CPU linear layers: gguf-blocks (the file's 4-bit codes, int4 kernel), "
+                       "bfloat16, or float32 (the reference) (default: "
+                       f"{_env('cpu_weights')}, else auto: gguf-blocks unless --dtype is given)")
 
 
 def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:

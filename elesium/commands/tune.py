@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     profile = tune(engine, prompts, log=lambda m: print(m, file=sys.stderr, flush=True))
     settings = settings_from_args(args)  # --cache-dir, where the profile is looked up
     saved = profile.save(profile_path(settings.cache_dir, profile.model_sha256, engine.model.device,
-                                      engine.model.dtype))
+                                      engine.model.dtype, profile.weights))
     print(f"profile saved to {saved}")
     if args.out is not None:
         print(f"profile saved to {profile.save(args.out)}")

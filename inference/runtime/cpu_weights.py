@@ -287,6 +287,7 @@ def _save_packed(model: Transformer, report: FastWeightsReport, entry: Path) -> 
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the entry from other users of a shared cache
         os.replace(tmp, entry)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

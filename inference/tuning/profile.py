@@ -1,8 +1,12 @@
 """Per-hardware tuning profiles: the measured forward cost curve and head acceptance, and the tree
 they imply. ``elesium tune`` writes one; the engine reads the one for its device.
 
-Lookup order: ``<cache_dir>/profiles/<model sha[:16]>-<device kind>-<dtype>.json`` (tuned here),
-then the profiles shipped in ``inference/tuning/profiles/<device kind>.json``, then the built-in policy.
+Lookup order: ``<cache_dir>/profiles/<model sha[:16]>-<device kind>-<dtype>[-<weights>].json`` (tuned
+here), then the profiles shipped in ``inference/tuning/profiles/<device kind>.json``, then the built-in
+policy. On a CPU the device kind names the CPU model, the SIMD flags the kernels dispatch on and the
+thread count, and a profile also records its weight format ("gguf-blocks", "bfloat16", "float32"):
+a cost curve measured on one CPU or format says nothing about another. Profiles shipped before
+that (``cpu-<threads>t.json``, no weight format) still serve the float32 reference.
 """
 
 from __future__ import annotations
@@ -22,12 +26,43 @@ from elesium.inference.decoding.tree_policy import CostCurve, TreePolicy
 SHIPPED = Path(__file__).resolve().parent / "profiles"
 
 
+SIMD_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni", "avx2",
+              "fma", "f16c", "asimd", "sve")
+"""CPU flags that change which kernel torch, oneDNN or MKL runs (x86 and Arm), hence a cost curve."""
+
+
+def _slug(text: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
+def cpu_signature() -> str:
+    """The CPU model and its kernel-relevant flags, filename-safe: "amd-epyc-avx2-fma-f16c"."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model") and model in (platform.processor(), platform.machine()):
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return "-".join([_slug(model)[:40] or "unknown", *(f.replace("_", "") for f in SIMD_FLAGS if f in flags)])
+
+
 def device_kind(device: torch.device) -> str:
-    """A filename-safe name for the hardware: "cpu-2c" or "cuda-nvidia-h200"."""
+    """A filename-safe name for the hardware: "cpu-amd-epyc-avx2-fma-f16c-2t" or "cuda-nvidia-h200"."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
         return "cuda-" + "".join(c if c.isalnum() else "-" for c in name).strip("-")
-    return f"cpu-{torch.get_num_threads()}t"
+    return f"cpu-{cpu_signature()}-{torch.get_num_threads()}t"
+
+
+def weights_of(model: torch.nn.Module) -> str:
+    """The weight format a model runs (``cpu_weights.apply_weight_format`` marks it); "float32" =
+    the model's own dtype, unchanged."""
+    return str(getattr(model, "weights_format", "float32"))
 
 
 @dataclass
@@ -48,6 +83,8 @@ class TuneProfile:
     speculate: bool = True
     # The heads' weights file the acceptance and tree were measured with ("": any heads).
     heads_sha256: str = ""
+    # The linear layers' format on a CPU ("gguf-blocks", "bfloat16"); "" / "float32": the model's dtype.
+    weights: str = ""
     created: str = ""
     host: str = field(default_factory=platform.node)
 
@@ -75,20 +112,26 @@ class TuneProfile:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def profile_path(cache_dir: Path, model_sha256: str, device: torch.device, dtype: torch.dtype) -> Path:
+def profile_path(cache_dir: Path, model_sha256: str, device: torch.device, dtype: torch.dtype,
+                 weights: str = "float32") -> Path:
     dt = str(dtype).removeprefix("torch.")
-    return cache_dir / "profiles" / f"{model_sha256[:16]}-{device_kind(device)}-{dt}.json"
+    suffix = "" if weights in ("", "float32") else f"-{weights}"
+    return cache_dir / "profiles" / f"{model_sha256[:16]}-{device_kind(device)}-{dt}{suffix}.json"
 
 
 def find_profile(cache_dir: Path, model_sha256: str, device: torch.device, dtype: torch.dtype,
-                 heads_sha256: str = "") -> TuneProfile | None:
-    """The tuned profile for this model, device and dtype, unless it was tuned with other heads."""
+                 heads_sha256: str = "", weights: str = "float32") -> TuneProfile | None:
+    """The tuned profile for this model, device, dtype and weight format, unless it was tuned with
+    other heads. A legacy CPU profile (named by thread count alone) serves only float32 weights."""
     kind = device_kind(device)
-    for candidate in (profile_path(cache_dir, model_sha256, device, dtype), SHIPPED / f"{kind}.json",
-                      SHIPPED / f"{device.type}.json"):
-        if candidate.exists():
+    weights = weights or "float32"
+    legacy = SHIPPED / f"cpu-{torch.get_num_threads()}t.json"
+    for candidate in (profile_path(cache_dir, model_sha256, device, dtype, weights), SHIPPED / f"{kind}.json",
+                      legacy, SHIPPED / f"{device.type}.json"):
+        if candidate.exists() and (candidate != legacy or device.type == "cpu"):
             prof = TuneProfile.load(candidate)
-            if prof.model_sha256 == model_sha256 and prof.heads_sha256 in ("", heads_sha256):
+            if (prof.model_sha256 == model_sha256 and prof.heads_sha256 in ("", heads_sha256)
+                    and (prof.weights or "float32") == weights):
                 return prof
     return None
 
