@@ -56,10 +56,13 @@ class TicketInput(BaseModel):
 
 
 class TicketFields(BaseModel):
-    """What the model extracts: short, so a small token budget holds the whole object."""
+    """What the model extracts: bounded lengths, so a known token budget always holds the whole object."""
 
     product: str = Field(max_length=24)
     problem: str = Field(max_length=60)
+
+
+EXTRACT_BUDGET = 3 * (24 + 60) + 32
 
 
 class Approval(BaseModel):
@@ -111,7 +114,10 @@ extract = llm_node(
     "extract",
     output_key="fields",
     output=TicketFields,
-    params={"max_tokens": 64},
+    # The grammar bounds the object (24 + 60 characters plus the JSON around them); this budget covers it
+    # even when every character costs 3 byte-level tokens (CJK), so an answer is never cut off unparsable.
+    # Greedy answers stop far sooner, when the grammar closes the object.
+    params={"max_tokens": EXTRACT_BUDGET},
     prompt=TICKET + "Name the product and the problem.",
 )
 draft_reply = llm_node(
