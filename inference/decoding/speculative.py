@@ -107,8 +107,8 @@ class TreeDecoder:
         assert self.rows is not None, "prefill() first"
         tokens, logprobs, parents = self.runner.expand(heads, self.rows, self.row_tokens, self.row_start,
                                                        width, k)
-        return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(), width,
-                                             temperature)
+        return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(),
+                                             width, temperature)
 
     def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
         """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
@@ -123,8 +123,8 @@ class TreeDecoder:
             tree = tree.truncated(room)
         node_tokens = [self.pending] + [drafts.token(p) for p in tree.paths[1:]]
         dev = self.runner.device
-        out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset, tree.ancestors(),
-                                 drafts=True)
+        out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset,
+                                 tree.ancestors(), drafts=True)
         verdict = self._verify(tree, node_tokens, out, drafts)
         path = verdict.path
         if path != list(range(len(path))):
@@ -135,7 +135,8 @@ class TreeDecoder:
         last = path[-1]
         if expands(self.heads):
             # Accepted node i is followed by committed[i]: its child on the path, or the bonus.
-            self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))  # a copy: buffers are reused
+            # index_select copies: the runner's buffers are reused next step.
+            self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))
             self.row_tokens, self.row_start = committed, self.offset
             self.hidden = self.rows[-1]
         else:
