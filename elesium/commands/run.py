@@ -36,6 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON object: final state, run id, version, acceptance summary",
     )
+    remote = p.add_argument_group("remote server")
+    remote.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="run on an Elesium server (`elesium serve`) instead of locally, through the SDK",
+    )
+    remote.add_argument("--api-key", default=None, help="the server's API key (default: $ELESIUM_API_KEY)")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -105,11 +113,102 @@ def token_printer(as_json: bool) -> Any:
     return on_event
 
 
+def run_remote(args: argparse.Namespace, payload: Any) -> int:
+    """Run through the server's LangGraph-protocol routes; the server validates, runs and records.
+
+    Nothing is checked locally beyond the JSON itself: the server holds the registry the run will use,
+    and answers a bad request with a 4xx whose message becomes the one error line here.
+    """
+    import os
+
+    import httpx
+
+    from elesium.api.client import ElesiumAPIError, ElesiumClient
+
+    key = args.api_key or os.environ.get("ELESIUM_API_KEY") or None
+    assistant = args.workflow if args.version is None else f"{args.workflow}:{args.version}"
+    configurable = {k: v for k, v in (("run_seed", args.seed), ("mode", args.mode)) if v is not None}
+    printer = token_printer(args.json)
+    try:
+        with ElesiumClient(args.server, api_key=key) as client:
+            thread_id = client.threads.create()["thread_id"]
+            run_id, state, interrupts, error = "", {}, [], None
+            for part in client.runs.stream(
+                thread_id,
+                assistant,
+                input=payload,
+                config={"configurable": configurable},
+                stream_mode=["values", "updates", "messages-tuple"],
+            ):
+                if part.event == "metadata":
+                    run_id = part.data.get("run_id", run_id)
+                elif part.event == "values":
+                    state = part.data
+                elif part.event == "updates":
+                    interrupts += (part.data or {}).get("__interrupt__", [])
+                elif part.event == "messages" and printer is not None:
+                    message, meta = part.data
+                    printer(
+                        "custom",
+                        {
+                            "node": meta.get("langgraph_node"),
+                            "call_index": "",
+                            "text": message.get("content", ""),
+                        },
+                    )
+                elif part.event == "error":
+                    error = (part.data or {}).get("message") or str(part.data)
+            run = client.runs.get(thread_id, run_id) if run_id else {}
+            summary = client.acceptance(thread_id, run_id, limit=1)["summary"] if run_id else {}
+    except (httpx.HTTPStatusError, ElesiumAPIError) as exc:
+        response = getattr(exc, "response", None)
+        detail = getattr(exc, "detail", None)
+        if detail is None and response is not None:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+        raise CliError(f"the server refused the run: {detail or exc}") from None
+    except httpx.TransportError as exc:
+        raise CliError(f"cannot reach {args.server}: {exc}") from None
+    status = "failed" if error else "interrupted" if interrupts else "succeeded"
+    doc = {
+        "run_id": run_id,
+        "thread_id": thread_id,
+        "workflow": args.workflow,
+        "status": status,
+        "state": state,
+        "interrupts": [i.get("value") for i in interrupts],
+        "acceptance": summary,
+        "run": run,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+    else:
+        print(f"\nrun {run_id} (thread {thread_id}): {args.workflow} {status}", file=sys.stderr)
+        for key_, value in state.items():
+            if key_ != "llm_calls":
+                print(f"{key_}: {json.dumps(value, ensure_ascii=False)}")
+    if status == "interrupted":
+        print(
+            f"run {run_id} stopped at an interrupt, waiting for: "
+            f"{json.dumps(doc['interrupts'], ensure_ascii=False, default=str)}\n"
+            f"answer it through the API: runs.create(thread {thread_id}, command={{'resume': ...}})",
+            file=sys.stderr,
+        )
+    if error:
+        print(f"elesium: error: run {run_id} failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from elesium.graphs.registry import UnknownWorkflowError, default_registry
     from elesium.graphs.runner import WorkflowRunner, validate
 
     payload = parse_json_arg(args.input, "--input")
+    if args.server:
+        return run_remote(args, payload)
     try:
         workflow = default_registry().get(args.workflow, args.version)
     except UnknownWorkflowError as exc:
