@@ -1,0 +1,163 @@
+"""The CPU fast path (inference/runtime/cpu_weights.py) against the float32 reference.
+
+The fast path runs the GGUF file's own 4-bit codes through torch's int4 CPU kernel in bfloat16, so it is
+close to the reference but not equal to it; what must hold exactly is that a row's result does not depend
+on how many rows the forward holds, or greedy speculative decoding would drift from vanilla.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from elesium.inference.engine import Engine
+from elesium.inference.runtime.cpu_weights import (
+    Int4GroupLinear,
+    apply_weight_format,
+    q4_1_linear,
+    q8_0_linear,
+    resolve_cpu_weights,
+)
+from elesium.inference.runtime.model import build_model
+from elesium.inference.sampling import SamplingParams
+
+# Held-out style: the enterprise tasks the workflows send, not MT-Bench.
+PROMPTS = ["List three causes of a failed database backup.",
+           "Draft a two-sentence status update: the billing migration slipped one week.",
+           "Classify this ticket as bug, question or feature: 'Export to CSV drops the last row.'"]
+
+
+@pytest.fixture(scope="module")
+def fast(engine):
+    """A second engine on the same weights and heads, with the GGUF-block layers swapped in."""
+    from elesium.config import Settings
+
+    w = engine.weights_info
+    net = build_model(w.config, w.state)
+    # Through the packed-weight cache, as Engine.load does (the layer tests above cover the packing itself).
+    report = apply_weight_format(net, "gguf-blocks", w.source, cache_dir=Settings.from_env().cache_dir,
+                                 sha256=w.sha256)
+    assert report is not None and report.weight_format == "gguf-blocks"
+    return Engine(net, engine.tokenizer, weights=w, heads=engine.heads,
+                  policy=dataclasses.replace(engine.policy), max_len=1024)
+
+
+def _gguf_tensor(path, name):
+    from gguf import GGUFReader
+
+    return next(t for t in GGUFReader(str(path)).tensors if t.name == name)
+
+
+@pytest.mark.parametrize("name", ["blk.3.ffn_down.weight", "token_embd.weight"])
+def test_block_layers_match_dequantised_weights_on_random_inputs(weights, name):
+    """Q4_1 (layers) and Q8_0 (tied lm_head, as two nibbles) from the file's bytes, against gguf's own
+    float32 dequantisation: within bfloat16 rounding (about 2^-8 relative), on random inputs."""
+    from gguf.quants import dequantize
+
+    t = _gguf_tensor(weights.source, name)
+    cols, rows = (int(x) for x in t.shape.tolist())
+    raw = np.asarray(t.data)
+    layer = (q4_1_linear if t.tensor_type.name == "Q4_1" else q8_0_linear)(raw, rows, cols)
+    ref_w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(rows, cols).astype(np.float32))
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    got, ref = layer(x), x.double() @ ref_w.double().T
+    assert got.dtype == torch.float32 and got.shape == (5, rows)
+    rel = ((got.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+    assert rel > 0  # bfloat16 activations are never bitwise the reference: the test is not self-referential
+
+
+def test_model_layers_are_swapped_and_close_to_reference(engine, fast):
+    """Every linear layer is an int4 layer, and the logits pick the reference's top-1 nearly always."""
+    kinds = {type(m) for m in fast.model.modules()}
+    assert Int4GroupLinear in kinds and torch.nn.Linear not in kinds
+    ids = engine.encode_prompt(PROMPTS[0])
+    with torch.inference_mode():
+        logits = {}
+        for name, eng in (("ref", engine), ("fast", fast)):
+            cache = eng.model.new_cache(256)
+            hidden = eng.model(torch.tensor([ids]), torch.arange(len(ids)), cache, 0)[0]
+            logits[name] = eng.model.logits(hidden)
+    agree = (logits["ref"].argmax(-1) == logits["fast"].argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    assert (logits["ref"] - logits["fast"]).abs().mean().item() < 0.5
+
+
+@pytest.mark.parametrize("name", ["blk.7.attn_q.weight", "token_embd.weight"])
+def test_block_layers_are_row_invariant(weights, name):
+    """A row's output of the int4 kernel is bit for bit the same whether the call holds 1 row or many."""
+    t = _gguf_tensor(weights.source, name)
+    cols, rows = (int(x) for x in t.shape.tolist())
+    layer = (q4_1_linear if t.tensor_type.name == "Q4_1" else q8_0_linear)(np.asarray(t.data), rows, cols)
+    x = torch.randn(24, cols, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
+    for m in (2, 5, 16, 24):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+
+
+def test_forward_rows_barely_depend_on_how_many_the_forward_holds(engine, fast):
+    """Per-row logits of one N-row forward against N one-row forwards, chain and tree.
+
+    The int4 layers are row-invariant (above); attention is torch's CPU SDPA as in the float32 reference,
+    whose reductions over the keys depend on the key count (2.7e-7 on one layer), and bfloat16 rounding of
+    the next layer's input and of the logits amplifies that: measured up to 0.44 on logits of |10..25|
+    (2026-11-30). The top-1 token still agreed on every row here; the test below shows it does not always.
+    """
+    model = fast.model
+    ids = engine.encode_prompt(PROMPTS[1])
+    head, tail = ids[:-8], ids[-8:]
+    n0 = len(head)
+    with torch.inference_mode():
+        cache = model.new_cache(256)
+        model(torch.tensor([head]), torch.arange(n0), cache, 0)
+        together = model.logits(model(torch.tensor([tail]), torch.arange(n0, n0 + 8), cache, n0)[0])
+        alone = torch.cat([model.logits(model(torch.tensor([[t]]), torch.tensor([n0 + i]), cache, n0 + i)[0])
+                           for i, t in enumerate(tail)])
+        # A tree: node 0 the root, nodes 1 and 2 both its children; node 2's row must match a chain [0, 2].
+        anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        pos = torch.tensor([n0, n0 + 1, n0 + 1])
+        tree = model.logits(model(torch.tensor([tail[:3]]), pos, cache, n0, anc)[0])
+        chain = model.logits(model(torch.tensor([[tail[0], tail[2]]]), pos[:2], cache, n0)[0])
+    for a, b in ((together, alone), (tree[[0, 2]], chain)):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert (a - b).abs().max().item() < 1.0  # bf16 logits: 0.125 is one step at |logit| 16..32
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: CPU SDPA is not row-invariant, and the fast path's "
+                   "bf16 rounding turns its last-bit differences into flipped greedy tokens (first prompt, "
+                   "token 26, 2026-11-30). Until a row-invariant CPU attention lands, the engine does not "
+                   "speculate by default on the CPU (no tuned profile), so default output stays vanilla's.")
+def test_greedy_speculative_equals_vanilla_on_the_fast_path(fast):
+    assert fast.heads is not None
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    for prompt in PROMPTS:
+        vanilla = fast.generate(prompt, params, mode="vanilla")
+        spec = fast.generate(prompt, params, mode="speculative")
+        assert spec.token_ids == vanilla.token_ids, prompt
+        assert any(s.accepted_length > 0 for s in spec.steps)  # speculation really accepted drafts
+
+
+def test_auto_is_fast_by_default_and_reference_when_a_dtype_is_asked():
+    cpu = torch.device("cpu")
+    assert resolve_cpu_weights("auto", cpu, "auto") == "gguf-blocks"
+    assert resolve_cpu_weights("auto", cpu, "float32") == "float32"
+    assert resolve_cpu_weights("bfloat16", cpu, "float32") == "bfloat16"
+    with pytest.raises(ValueError):
+        resolve_cpu_weights("int3", cpu, "auto")
+
+
+def test_profiles_are_keyed_by_weight_format(tmp_path):
+    """A profile tuned for the float32 reference is not applied to the GGUF-block path, nor the reverse."""
+    from elesium.inference.tuning.profile import TuneProfile, device_kind, find_profile, profile_path
+
+    cpu, sha = torch.device("cpu"), "d" * 64
+    prof = TuneProfile(device_kind=device_kind(cpu), dtype="float32", model_sha256=sha, cost_sizes=[1, 2],
+                       cost_ms=[1.0, 1.2], step_overhead_ms=0.1, acceptance=[[0.5]], weights="gguf-blocks")
+    prof.save(profile_path(tmp_path, sha, cpu, torch.float32, "gguf-blocks"))
+    assert find_profile(tmp_path, sha, cpu, torch.float32, weights="gguf-blocks") == prof
+    assert find_profile(tmp_path, sha, cpu, torch.float32, weights="float32") is None
+    assert find_profile(tmp_path, sha, cpu, torch.float32, weights="bfloat16") is None
+    assert "avx" in device_kind(cpu) or "asimd" in device_kind(cpu)  # the CPU's flags are part of the key
