@@ -52,7 +52,11 @@ Path = tuple[int, ...]
 
 # One fixed layout, the one small chat models write by habit (``{"a": 1, "b": 2}``): no free
 # whitespace the model could spend its token budget on, and separators its drafts tend to guess.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+# No ``\uXXXX`` escapes: non-ASCII is written as itself (valid JSON), and a small model that starts
+# escaping control characters spends ~6 tokens per character and runs out of budget (seen on a
+# Windows path full of backslashes). ``\n \t \" \\`` etc. stay available.
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", ",
+                                 "json_allowed_escapes": "nrbtf\\\""}
 
 
 class ConstraintError(ValueError):
