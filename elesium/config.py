@@ -66,7 +66,7 @@ class Settings:
     independent of the forward's shape, so greedy speculative output equals vanilla in bf16
     (``inference/runtime/invariant.py``). ``cpu_weights`` picks the CPU's linear layers: "gguf-blocks"
     (the file's 4-bit codes through torch's int4 kernel), "bfloat16", or "float32" (the reference);
-    "auto" is gguf-blocks for the default dtype and the reference when a dtype is given
+    "auto" is the float32 reference; gguf-blocks is opt-in until it measures faster and stays exact
     (``inference/runtime/cpu_weights.py``).
     """
 

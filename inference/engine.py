@@ -41,7 +41,7 @@ from elesium.inference.records import DecodeMode, Generation, StepRecord, normal
 from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.cpu_weights import apply_weight_format, resolve_cpu_weights
 from elesium.inference.runtime.forward import TREE_BUCKETS, CudaGraphRunner, ForwardRunner
-from elesium.inference.runtime.invariant import apply_invariant_numerics
+from elesium.inference.runtime.invariant import apply_invariant_numerics, is_invariant
 from elesium.inference.runtime.invariant import resolve as resolve_invariant
 from elesium.inference.runtime.model import Transformer, build_model
 from elesium.inference.sampling import Sampler, SamplingParams
@@ -255,14 +255,16 @@ class Engine:
             "profile_reason": self.profile_reason,
             "default_mode": self.default_mode, "mode_reason": self.mode_reason,
             "modes": ",".join(self.modes), "attention": self.attention, "weights": weights_of(self.model),
+            "numerics": "invariant" if is_invariant(self.model) else "standard",
         }
 
     def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:
         """What a run's output depends on besides its input and seed (contract C2): model, heads,
-        profile (its tree policy), dtype, device, decoding mode and attention path."""
+        profile (its tree policy), dtype, device, decoding mode, attention path, CPU weight format and
+        whether shape-invariant kernels run (both change the bits of the logits)."""
         d = self.describe()
         keys = ("model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device",
-                "attention")
+                "attention", "weights", "numerics")
         return {**{k: d[k] for k in keys}, "mode": self.resolve_mode(mode)}
 
     @property

@@ -86,7 +86,8 @@ def test_engine_default_mode_is_the_profile_s(engine):
     fp = engine.fingerprint("medusa")
     assert fp["mode"] == "speculative" and fp["heads_sha256"] == engine.heads.source_sha256
     assert set(fp) == {"model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device",
-                       "mode", "attention"}
+                       "mode", "attention", "weights", "numerics"}
+    assert fp["weights"] == "float32" and fp["numerics"] == "standard"  # the session engine: CPU fp32
 
 
 def test_eval_heads_with_heads_none_is_an_error(capsys, tmp_path):

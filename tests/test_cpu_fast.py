@@ -140,9 +140,10 @@ def test_greedy_speculative_equals_vanilla_on_the_fast_path(fast):
         assert any(s.accepted_length > 0 for s in spec.steps)  # speculation really accepted drafts
 
 
-def test_auto_is_fast_by_default_and_reference_when_a_dtype_is_asked():
+def test_auto_is_the_reference_and_the_fast_path_is_opt_in():
     cpu = torch.device("cpu")
-    assert resolve_cpu_weights("auto", cpu, "auto") == "gguf-blocks"
+    assert resolve_cpu_weights("auto", cpu, "auto") == "float32"
+    assert resolve_cpu_weights("gguf-blocks", cpu, "auto") == "gguf-blocks"
     assert resolve_cpu_weights("auto", cpu, "float32") == "float32"
     assert resolve_cpu_weights("bfloat16", cpu, "float32") == "bfloat16"
     with pytest.raises(ValueError):

@@ -40,7 +40,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-weights", choices=list(CPU_WEIGHTS), default=None,
                        help="CPU linear layers: gguf-blocks (the file's 4-bit codes, int4 kernel), "
                        "bfloat16, or float32 (the reference) (default: "
-                       f"{_env('cpu_weights')}, else auto: gguf-blocks unless --dtype is given)")
+                       f"{_env('cpu_weights')}, else auto: the float32 reference)")
 
 
 def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:

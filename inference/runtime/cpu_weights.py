@@ -315,9 +315,10 @@ def _load_packed(model: Transformer, entry: Path) -> FastWeightsReport:
 def resolve_cpu_weights(setting: str, device: torch.device, dtype_asked: str) -> str:
     """The weight format a CPU engine runs: ``setting`` unless "auto".
 
-    "auto" is the fast path ("gguf-blocks") for the default configuration (``--dtype auto`` on the
-    CPU) and the float32 reference when a dtype was asked for explicitly, so ``--dtype float32``
-    keeps meaning the reference and ``--dtype bfloat16`` the all-bfloat16 model. Not on CUDA: GPU
+    "auto" is the float32 reference on the CPU. The 4-bit fast path ("gguf-blocks") is opt-in until it
+    earns the default: measured here it is barely faster than float32 (BENCHMARKS.md section 10), its
+    first start packs the weights for minutes on 2 cores, and torch's CPU attention is not row-invariant,
+    so with bf16 activations greedy speculative output would no longer equal vanilla. Not on CUDA: GPU
     runs keep their own dtype handling ("float32" here means "change nothing").
     """
     if device.type != "cpu":
@@ -325,7 +326,7 @@ def resolve_cpu_weights(setting: str, device: torch.device, dtype_asked: str) ->
             raise ValueError(f"--cpu-weights {setting} applies to the CPU only")
         return "float32"
     if setting == "auto":
-        return "gguf-blocks" if dtype_asked == "auto" else "float32"
+        return "float32"
     if setting not in WEIGHT_FORMATS:
         raise ValueError(f"unknown CPU weight format {setting!r}; "
                          f"use auto or one of {', '.join(WEIGHT_FORMATS)}")
