@@ -130,7 +130,8 @@ def tree_attention(
         from elesium.kernels import invariant_attention
 
         if invariant_attention.supports(q, k_cache, v_cache):
-            return invariant_attention.invariant_tree_attention(q, k_cache, v_cache, prefix_len, ancestors, scale)
+            return invariant_attention.invariant_tree_attention(q, k_cache, v_cache, prefix_len, ancestors,
+                                                                scale)
     if choice == "reference":
         return tree_attention_reference(q, k_cache, v_cache, prefix_len, ancestors, scale)
     if choice == "triton" or _triton_supports(q, k_cache, v_cache):

@@ -153,7 +153,8 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
         parent = _text(fields.get(b"parent", b""))
 
         def conf(checkpoint_id: str) -> RunnableConfig:
-            return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}}
+            configurable = {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}
+            return {"configurable": configurable}
 
         return CheckpointTuple(
             config=conf(cid),
@@ -235,9 +236,12 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
         values: dict[str, Any] = stored.pop("channel_values")  # type: ignore[misc]
         meta = get_checkpoint_metadata(config, metadata)
         fields: list[Any] = [
-            "checkpoint", K.pack_typed(self.serde.dumps_typed(stored)),
-            "metadata", K.pack_typed(self.serde.dumps_typed(meta)),
-            "parent", conf.get("checkpoint_id") or "",
+            "checkpoint",
+            K.pack_typed(self.serde.dumps_typed(stored)),
+            "metadata",
+            K.pack_typed(self.serde.dumps_typed(meta)),
+            "parent",
+            conf.get("checkpoint_id") or "",
         ]
         if isinstance(meta.get("run_id"), str):
             fields += ["run_id", meta["run_id"]]
@@ -246,7 +250,10 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
         blobs: list[Any] = []
         for channel, version in new_versions.items():
             if channel in values:
-                blobs += [K.blob_field(channel, str(version)), K.pack_typed(self.serde.dumps_typed(values[channel]))]
+                blobs += [
+                    K.blob_field(channel, str(version)),
+                    K.pack_typed(self.serde.dumps_typed(values[channel])),
+                ]
         yield ScriptCall(
             "put",
             [keys.nss, keys.idx(nse), keys.checkpoint(nse, cid), keys.blobs(nse)],

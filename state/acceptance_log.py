@@ -180,7 +180,8 @@ class AcceptanceLog:
     def append(self, entry: AcceptanceEntry) -> str:
         """Append one entry; returns its stream id."""
         with self._guard(entry.run_id):
-            entry_id = self.client.xadd(self.key(entry.run_id), entry.to_fields(), **self.retention.xadd_kwargs())
+            key, fields = self.key(entry.run_id), entry.to_fields()
+            entry_id = self.client.xadd(key, fields, **self.retention.xadd_kwargs())
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def append_many(self, entries: Sequence[AcceptanceEntry]) -> list[str]:
@@ -200,7 +201,9 @@ class AcceptanceLog:
                 ids[i] = reply.decode() if isinstance(reply, bytes) else str(reply)
         return [ids[i] for i in range(len(entries))]
 
-    def read(self, run_id: str, start: str = "-", end: str = "+", count: int | None = None) -> list[AcceptanceEntry]:
+    def read(
+        self, run_id: str, start: str = "-", end: str = "+", count: int | None = None
+    ) -> list[AcceptanceEntry]:
         """Entries with ``start <= id <= end`` (stream ids; ``(id`` excludes), oldest first."""
         with self._guard(run_id):
             rows = self.client.xrange(self.key(run_id), min=start, max=end, count=count)

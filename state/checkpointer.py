@@ -185,12 +185,17 @@ class RedisSaver(RedisSaverBase):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
-        items = await self._in_thread(lambda: list(self.list(config, filter=filter, before=before, limit=limit)))
+        items = await self._in_thread(
+            lambda: list(self.list(config, filter=filter, before=before, limit=limit))
+        )
         for item in items:
             yield item
 
     async def aput(
-        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         return await self._in_thread(self.put, config, checkpoint, metadata, new_versions)
@@ -248,8 +253,14 @@ class AsyncRedisSaver(RedisSaverBase):
         from that first call (after the 1 s connect timeout), a bad URL ``RedisURLError`` here.
         """
         url = url or default_url()
-        return cls(connect_async(url), target=describe(url), prefix=prefix, ttl_s=ttl_s,
-                   keep_last=keep_last, serde=serde)
+        return cls(
+            connect_async(url),
+            target=describe(url),
+            prefix=prefix,
+            ttl_s=ttl_s,
+            keep_last=keep_last,
+            serde=serde,
+        )
 
     async def aclose(self) -> None:
         """Close the client's connections."""
@@ -313,7 +324,10 @@ class AsyncRedisSaver(RedisSaverBase):
             yield item
 
     async def aput(
-        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         """Store a checkpoint and the blobs of its changed channels in one script call."""
@@ -337,7 +351,9 @@ class AsyncRedisSaver(RedisSaverBase):
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy a thread's whole history (every ancestor, write and blob) under a new id."""
-        await self._run(self._op_copy_thread(source_thread_id, target_thread_id), self._where(source_thread_id))
+        await self._run(
+            self._op_copy_thread(source_thread_id, target_thread_id), self._where(source_thread_id)
+        )
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints of these runs. Scans every thread: an admin operation."""
@@ -381,7 +397,10 @@ class AsyncRedisSaver(RedisSaverBase):
         return iter(self._blocking(collect()))
 
     def put(
-        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         return self._blocking(self.aput(config, checkpoint, metadata, new_versions))

@@ -180,7 +180,9 @@ class RunRegistry:
         prefix: key root; one per application sharing a database.
     """
 
-    def __init__(self, client: Any, *, prefix: str = DEFAULT_PREFIX, target: str = "the configured server") -> None:
+    def __init__(
+        self, client: Any, *, prefix: str = DEFAULT_PREFIX, target: str = "the configured server"
+    ) -> None:
         self.client = client
         self._root = f"{prefix}:{{registry}}:"
         self._target = target
@@ -217,8 +219,11 @@ class RunRegistry:
         args: list[str] = [quote(record.run_id, safe=""), fields["created_ms"]]
         for k, v in fields.items():
             args += [k, v]
-        keys = [self._run_key(record.run_id), self._tenant_key(record.tenant),
-                self._status_prefix() + record.status.value]
+        keys = [
+            self._run_key(record.run_id),
+            self._tenant_key(record.tenant),
+            self._status_prefix() + record.status.value,
+        ]
         with self._guard():
             created = self._create(keys=keys, args=args)
         if not created:
@@ -242,7 +247,14 @@ class RunRegistry:
         """
         status = RunStatus(status)
         allowed = sorted(s.value for s in ALLOWED_FROM[status])
-        args = [quote(run_id, safe=""), status.value, _now().isoformat(), self._status_prefix(), error or "", *allowed]
+        args = [
+            quote(run_id, safe=""),
+            status.value,
+            _now().isoformat(),
+            self._status_prefix(),
+            error or "",
+            *allowed,
+        ]
         with self._guard():
             reply = self._update(keys=[self._run_key(run_id)], args=args)
         outcome = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
@@ -273,6 +285,8 @@ class RunRegistry:
         """The tenant's runs, newest first."""
         return self._list(self._tenant_key(tenant), limit, offset) if limit > 0 else []
 
-    def list_by_status(self, status: RunStatus | str, *, limit: int = 100, offset: int = 0) -> list[RunRecord]:
+    def list_by_status(
+        self, status: RunStatus | str, *, limit: int = 100, offset: int = 0
+    ) -> list[RunRecord]:
         """Runs currently in ``status``, newest first."""
         return self._list(self._status_prefix() + RunStatus(status).value, limit, offset) if limit > 0 else []

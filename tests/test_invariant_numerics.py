@@ -1,5 +1,7 @@
-"""The invariant-numerics setting and the model switch, on the CPU (the kernels themselves: test_invariant_kernels,
-their effect on decoding: test_gpu)."""
+"""The invariant-numerics setting and the model switch, on the CPU.
+
+The kernels themselves: test_invariant_kernels; their effect on decoding: test_gpu.
+"""
 
 from __future__ import annotations
 

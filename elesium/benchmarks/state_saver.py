@@ -14,7 +14,6 @@ Run: ``elesium bench-state --out DIR [--steps N]``; writes ``DIR/state_bench.jso
 
 from __future__ import annotations
 
-import argparse
 import json
 import operator
 import os
