@@ -100,7 +100,9 @@ def test_distill_only_writes_the_data_that_the_same_command_then_trains_on(engin
     assert len(records) == 4 and {r["sampling"]["temperature"] for r in records} == {0.0, 0.7}
     assert not (tmp_path / "h" / "heads.safetensors").exists()
     before = (tmp_path / "h" / "distill.jsonl.gz").read_bytes()
-    again = replace(cfg, distill_only=False, steps=1, batch_size=8, num_heads=2, save_dtype="float32")
+    # Small heads and no drafter: the library defaults are the shipped recipe (thousands of drafter steps).
+    again = replace(cfg, distill_only=False, steps=1, batch_size=8, num_heads=2, save_dtype="float32",
+                    kind="medusa", num_layers=1, storage="float", drafter="none")
     manifest = train(again, engine, log=quiet)
     assert manifest["training"]["data"]["sequences"] == 4 and manifest["training"]["steps"] == 1
     assert (tmp_path / "h" / "distill.jsonl.gz").read_bytes() == before  # reused, not regenerated
