@@ -114,10 +114,10 @@ async def wait_stateless_run(body: RunCreate, request: Request, who: Principal =
     return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
 
 
-@router.post("/threads/{thread_id}/runs/stream")
-async def stream_run(
-    thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
+def _stream_new(
+    request: Request, who: Principal, thread_id: str | None, body: RunCreate
 ) -> StreamingResponse:
+    """Create a run (on a thread, or stateless) and answer with its SSE stream."""
     svc = services(request)
     row, channel = _create(svc, who, thread_id, body)
     return _sse(
@@ -130,20 +130,18 @@ async def stream_run(
     )
 
 
+@router.post("/threads/{thread_id}/runs/stream")
+async def stream_run(
+    thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
+) -> StreamingResponse:
+    return _stream_new(request, who, thread_id, body)
+
+
 @router.post("/runs/stream")
 async def stream_stateless_run(
     body: RunCreate, request: Request, who: Principal = Depends(principal)
 ) -> StreamingResponse:
-    svc = services(request)
-    row, channel = _create(svc, who, None, body)
-    return _sse(
-        request,
-        svc,
-        row,
-        channel,
-        cancel_on_disconnect=body.on_disconnect != "continue",
-        headers=_location(row),
-    )
+    return _stream_new(request, who, None, body)
 
 
 # ---------------------------------------------------------------- existing runs
