@@ -58,3 +58,15 @@ def node_path(tree: Tree, node: int) -> list[int]:
         out.append(node)
         node = tree.parents[node]
     return out[::-1]
+
+
+def ancestors_from_parents(parents: list[int]) -> torch.Tensor:
+    """Dense ancestor relation (self included) of a parent array; -1 marks a root."""
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return anc

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from elesium.inference.sampling import SamplingParams
+from helpers import ancestors_from_parents
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,13 +92,7 @@ def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
     """Ancestors of a topologically ordered tree: a chain of 8 (deep paths), the rest random parents."""
     parents = [i - 1 for i in range(min(n, 8))]
     parents += [int(torch.randint(0, i, (1,), generator=gen)) for i in range(8, n)]
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
-    return anc
+    return ancestors_from_parents(parents)
 
 
 @pytest.mark.parametrize("n", [24, 64])

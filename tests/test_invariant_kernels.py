@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from elesium.kernels.tree_attention import tree_attention_reference  # noqa: E402
+from helpers import ancestors_from_parents  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -109,13 +110,7 @@ def random_tree(n: int, gen: torch.Generator, chain: int = 1) -> tuple[list[int]
     path, and its ancestor relation."""
     parents = [i - 1 for i in range(min(n, chain))]
     parents += [int(torch.randint(0, i, (1,), generator=gen)) for i in range(len(parents), n)]
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
-    return parents, anc
+    return parents, ancestors_from_parents(parents)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -30,6 +30,7 @@ from elesium.kernels.tree_attention import (
     tree_attention_mask,
     tree_attention_reference,
 )
+from helpers import ancestors_from_parents
 
 # The module (the package re-exports its function under the same name).
 tree_attention_module = importlib.import_module("elesium.kernels.tree_attention")
@@ -46,18 +47,6 @@ def _kernel() -> ModuleType:
     from elesium.kernels import triton_tree_attention
 
     return triton_tree_attention
-
-
-def ancestors_from_parents(parents: list[int]) -> torch.Tensor:
-    """Dense ancestor relation (self included) of a parent array; -1 marks a root."""
-    n = len(parents)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
-    return anc
 
 
 def make_tree(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
