@@ -8,11 +8,13 @@ the next tokens computed by brute force through the same ``target_probs`` vanill
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import nn
 
+from elesium.inference.constraints import GrammarState
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
@@ -93,8 +95,13 @@ def exact_joint(model: Transformer, prefix: list[int], first: int, params: Sampl
 @torch.inference_mode()
 def speculative_samples(model: Transformer, heads: DraftHeads, policy: TreePolicy, prefix: list[int],
                         first: int, params: SamplingParams, n: int, samples: int, seed: int,
-                        mode: str = "speculative") -> dict:
-    """Counts of the next ``n`` tokens the tree decoder commits after ``prefix + [first]``."""
+                        mode: str = "speculative", grammar: GrammarState | None = None,
+                        on_decoder: Callable[[TreeDecoder], None] | None = None) -> dict:
+    """Counts of the next ``n`` tokens the tree decoder commits after ``prefix + [first]``.
+
+    ``grammar`` (its state after ``first``) constrains every sample from a fresh copy; ``on_decoder``
+    sees each sample's decoder before it steps (to watch the trees it builds).
+    """
     cache = model.new_cache(len(prefix) + 4 * policy.max_tree_size + n + 8)
     # The runner owns only a drafter's heads (it keeps the drafter's cache); others are passed per step,
     # so the step forward does not fuse Medusa drafts (top-10 of an 8-token vocabulary).
@@ -110,10 +117,13 @@ def speculative_samples(model: Transformer, heads: DraftHeads, policy: TreePolic
         cache.v.copy_(snapshot[1])
         for live, saved in zip(runner.drafter_cache or (), drafter):
             live.copy_(saved)
-        dec = TreeDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode)
+        dec = TreeDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode,
+                          grammar=grammar.copy() if grammar is not None else None)
         dec.offset, dec.pending, dec.hidden = len(prefix), first, snapshot[2]
         if base.rows is not None:  # path-conditioned heads draft from the rows, which end in ``first``
             dec.rows, dec.row_tokens, dec.row_start = base.rows, [first], base.row_start
+        if on_decoder is not None:
+            on_decoder(dec)
         got: list[int] = []
         while len(got) < n:
             got.extend(dec.step()[0])

@@ -24,7 +24,7 @@ from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.model import Transformer
 from elesium.inference.sampling import Sampler, SamplingParams, target_probs
-from spec_harness import VOCAB, RandomHeads, chi_square_p, random_hydra_heads, tiny_model
+from spec_harness import VOCAB, RandomHeads, chi_square_p, random_hydra_heads, speculative_samples, tiny_model
 
 SAMPLES = 8_000
 PREFIX, FIRST = [1, 2, 3], 4  # FIRST is "e", the grammar's required first token
@@ -107,34 +107,12 @@ def _watch_trees(decoder: TreeDecoder, seen: list[tuple[ConstrainedDrafts, objec
     decoder.policy.build = recording  # type: ignore[method-assign]
 
 
-@torch.inference_mode()
 def constrained_samples(model, heads, policy: TreePolicy, state: GrammarState, params: SamplingParams, n: int,
                         samples: int, seed: int, seen: list | None = None) -> dict:
     """Counts of the next ``n`` tokens the tree decoder commits under the grammar after ``FIRST``."""
-    cache = model.new_cache(len(PREFIX) + 4 * policy.max_tree_size + n + 8)
-    runner = ForwardRunner(model, cache, heads if getattr(heads, "drafter", None) is not None else None)
-    sampler = Sampler(seed)
-    base = TreeDecoder(runner, heads, params, sampler, policy)
-    base.prefill(PREFIX)
-    snapshot = (cache.k.clone(), cache.v.clone(), base.hidden.clone())
-    counts: dict[tuple[int, ...], int] = {}
-    for _ in range(samples):
-        cache.k.copy_(snapshot[0])
-        cache.v.copy_(snapshot[1])
-        fresh = TreePolicy(kind=policy.kind, static_paths=policy.static_paths, max_nodes=policy.max_nodes,
-                           topk=policy.topk, draft_temperature=policy.draft_temperature, adapt=False)
-        dec = TreeDecoder(runner, heads, params, sampler, fresh, grammar=state.copy())
-        dec.offset, dec.pending, dec.hidden = len(PREFIX), FIRST, snapshot[2]
-        if base.rows is not None:
-            dec.rows, dec.row_tokens, dec.row_start = base.rows, [FIRST], base.row_start
-        if seen is not None:
-            _watch_trees(dec, seen)
-        got: list[int] = []
-        while len(got) < n:
-            got.extend(dec.step()[0])
-        key = tuple(got[:n])
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    watch = None if seen is None else (lambda dec: _watch_trees(dec, seen))
+    return speculative_samples(model, heads, policy, PREFIX, FIRST, params, n, samples, seed,
+                               grammar=state, on_decoder=watch)
 
 
 def assert_no_forbidden_nodes(seen: list) -> int:
