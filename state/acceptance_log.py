@@ -185,21 +185,25 @@ class AcceptanceLog:
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def append_many(self, entries: Sequence[AcceptanceEntry]) -> list[str]:
-        """Append a batch in one round trip per run, atomically per run (MULTI/EXEC)."""
+        """Append a batch in one round trip per run, atomically per run; stream ids in input order."""
         ids: dict[int, str] = {}
         by_run: dict[str, list[int]] = {}
         for i, entry in enumerate(entries):
             by_run.setdefault(entry.run_id, []).append(i)
         for run_id, positions in by_run.items():
-            trim = self.retention.xadd_kwargs()
-            with self._guard(run_id):
-                pipe = self.client.pipeline(transaction=True)
-                for i in positions:
-                    pipe.xadd(self.key(run_id), entries[i].to_fields(), **trim)
-                replies = pipe.execute()
+            replies = self._append_run(run_id, [entries[i] for i in positions])
             for i, reply in zip(positions, replies):
                 ids[i] = reply.decode() if isinstance(reply, bytes) else str(reply)
         return [ids[i] for i in range(len(entries))]
+
+    def _append_run(self, run_id: str, entries: Sequence[AcceptanceEntry]) -> list[Any]:
+        """One run's entries in one MULTI/EXEC; the raw stream ids. Subclasses change how (fencing)."""
+        trim = self.retention.xadd_kwargs()
+        with self._guard(run_id):
+            pipe = self.client.pipeline(transaction=True)
+            for entry in entries:
+                pipe.xadd(self.key(run_id), entry.to_fields(), **trim)
+            return pipe.execute()
 
     def read(
         self, run_id: str, start: str = "-", end: str = "+", count: int | None = None

@@ -172,21 +172,13 @@ class FencedAcceptanceLog(AcceptanceLog):
     def append(self, entry: AcceptanceEntry) -> str:
         return self.append_many([entry])[0]
 
-    def append_many(self, entries: Sequence[AcceptanceEntry]) -> list[str]:
-        """Append a batch atomically per run (one fenced script each)."""
-        ids: dict[int, str] = {}
-        by_run: dict[str, list[int]] = {}
-        for i, entry in enumerate(entries):
-            by_run.setdefault(entry.run_id, []).append(i)
-        for run_id, positions in by_run.items():
-            args: list[Any] = [self._maxlen()]
-            for i in positions:
-                flat = self._fields(entries[i])
-                args += [len(flat), *flat]
-            reply = self._fenced(run_id, "append", args)
-            for i, raw in zip(positions, reply):
-                ids[i] = raw.decode() if isinstance(raw, bytes) else str(raw)
-        return [ids[i] for i in range(len(entries))]
+    def _append_run(self, run_id: str, entries: Sequence[AcceptanceEntry]) -> list[Any]:
+        """One run's entries in one fenced script: all or nothing, and only while the lease holds."""
+        args: list[Any] = [self._maxlen()]
+        for entry in entries:
+            flat = self._fields(entry)
+            args += [len(flat), *flat]
+        return list(self._fenced(run_id, "append", args))
 
 
 def entry_attempts(log: AcceptanceLog, run_id: str) -> list[tuple[str, int]]:
