@@ -105,8 +105,11 @@ def _heartbeat(svc: Services, stop: threading.Event, every_s: float = 10.0) -> N
 
 
 def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Services:
+    from elesium.api.events import EventPump
     from elesium.state import AcceptanceLog, RedisSaver, Retention, RunRegistry, connect, default_url
     from elesium.state.connection import describe
+    from elesium.state.queue import RunQueue
+    from elesium.state.run_events import RunEvents
     from elesium.state.threads import ThreadStore
 
     url = settings.redis_url or default_url()
@@ -125,6 +128,7 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
             metrics.checkpoint_latency.observe(time.perf_counter() - t0)
 
     saver.put = timed_put  # type: ignore[method-assign]
+    events = RunEvents(client, target=target)
     return Services(
         settings=settings,
         engine=engine,
@@ -136,7 +140,23 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
         worker=worker,
         metrics=metrics,
         tracing=Tracing(settings.otel_exporter, settings.model_name),
+        queue=RunQueue(client, target=target, lease_ttl_ms=int(settings.lease_ttl_s * 1000)),
+        events=events,
+        pump=EventPump(events),
     )
+
+
+def start_queue_worker(svc: Services, concurrency: int) -> Any:
+    """This server's in-process queue worker (the single-machine default): it executes API runs and
+    runs submitted with :func:`elesium.background.submit`, like ``elesium worker`` does."""
+    from elesium.api.run_executor import ApiRunExecutor, Dispatcher
+    from elesium.background import WorkflowExecutor
+    from elesium.graphs.runner import WorkflowRunner
+    from elesium.state.queue_worker import QueueWorker
+
+    runner = WorkflowRunner(svc.engine, svc.settings.redis_url, registry=svc.registry)
+    execute = Dispatcher(ApiRunExecutor(svc), WorkflowExecutor(runner))
+    return QueueWorker(svc.queue, execute, concurrency=concurrency).start()
 
 
 def create_app(settings: ApiSettings | None = None, *, engine: Any = None, registry: Any = None) -> FastAPI:
@@ -159,16 +179,20 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
             target=_heartbeat, args=(holder["svc"], stop), name="elesium-heartbeat", daemon=True
         )
         beat.start()
+        svc = holder["svc"]
+        queue_worker = start_queue_worker(svc, settings.workers) if settings.workers > 0 else None
         try:
             yield
         finally:
             stop.set()
-            svc = holder.pop("svc", None)
-            if svc is not None:
-                for channel in list(svc.channels.values()):
-                    channel.cancel.set()
-                svc.worker.stop()
-                svc.tracing.shutdown()
+            holder.pop("svc", None)
+            if queue_worker is not None:
+                handed = queue_worker.stop(grace_s=settings.shutdown_grace_s)
+                if handed:
+                    log.info("handed %d run(s) back to the queue: %s", len(handed), ", ".join(handed))
+            svc.pump.stop()
+            svc.worker.stop()
+            svc.tracing.shutdown()
 
     app = FastAPI(
         title="Elesium",

@@ -66,3 +66,60 @@ class RunChannel:
     async def wait_closed(self) -> None:
         async for _ in self.follow(len(self.events)):
             pass
+
+
+class EventPump:
+    """Relays runs' events from Redis (:class:`~elesium.state.run_events.RunEvents`) into local channels.
+
+    Whichever process executes a queued run, its events reach this server's SSE readers through one
+    daemon thread that polls every followed run's stream (non-blocking reads, so one thread serves
+    any number of runs on a plain Redis or a Cluster) and closes the channel at the run's end.
+    """
+
+    def __init__(self, events: Any, *, interval_s: float = 0.02) -> None:
+        self.events = events
+        self.interval_s = interval_s
+        self._subs: dict[str, tuple[str, RunChannel, str]] = {}  # run -> (thread, channel, last id)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="elesium-events", daemon=True)
+        self._thread.start()
+
+    def follow(self, thread_id: str, run_id: str, channel: RunChannel) -> RunChannel:
+        """Feed ``channel`` with the run's events from the first one on."""
+        with self._lock:
+            self._subs[run_id] = (thread_id, channel, "0")
+        self._wake.set()
+        return channel
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(2.0)
+
+    def _loop(self) -> None:
+        from elesium.state.errors import StateError
+        from elesium.state.run_events import END
+
+        while not self._stop.is_set():
+            with self._lock:
+                subs = list(self._subs.items())
+            for run_id, (thread_id, channel, last) in subs:
+                try:
+                    rows = self.events.read(thread_id, run_id, last)
+                except StateError:
+                    break  # Redis unavailable: retry on the next tick
+                for entry_id, event, data in rows:
+                    last = entry_id
+                    if event == END:
+                        channel.close()
+                        break
+                    channel.publish(event, data)
+                with self._lock:
+                    if channel.closed:
+                        self._subs.pop(run_id, None)
+                    elif run_id in self._subs:
+                        self._subs[run_id] = (thread_id, channel, last)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()

@@ -1,11 +1,13 @@
 """What the routes share: the engine worker, the stores, the workflows, and how a run executes.
 
 Routes stay thin: they authenticate, validate and translate to HTTP; everything stateful is here.
-A run is created on the event loop (validated, recorded as pending, so nothing is written for a bad
-request) and executed on the engine worker thread (:mod:`elesium.api.worker`), which drives the
-compiled graph with :func:`elesium.graphs.replay.drive` and publishes its stream parts on the run's
-:class:`~elesium.api.events.RunChannel`. When the run ends, its LLM calls, checkpoints, status and
-metrics are recorded and the channel closes, which is what ``wait``, ``join`` and SSE readers await.
+A run is created on the event loop (validated, then recorded as pending and enqueued on the durable
+run queue, so nothing is written for a bad request) and executed by whichever queue worker claims it:
+this server's in-process one or ``elesium worker`` on any machine (:mod:`elesium.api.run_executor`).
+Its stream parts travel through Redis; this server's :class:`~elesium.api.events.EventPump` feeds
+them into the run's local :class:`~elesium.api.events.RunChannel`, which closes when the run ends:
+that is what ``wait``, ``join`` and SSE readers await. The engine worker thread
+(:mod:`elesium.api.worker`) still runs what is not a queued run: chat completions and replays.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Services:
     worker: EngineWorker
     metrics: Metrics
     tracing: Tracing
+    queue: Any = None  # elesium.state.queue.RunQueue
+    events: Any = None  # elesium.state.run_events.RunEvents
+    pump: Any = None  # elesium.api.events.EventPump
     channels: dict[str, RunChannel] = field(default_factory=dict)
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     _graphs: dict[tuple[str, str], Any] = field(default_factory=dict)
@@ -148,24 +153,36 @@ class Services:
         return row
 
     def get_thread(self, thread_id: str, tenant: str) -> ThreadRow | None:
-        """The thread, after failing any run of it whose server died mid-run (else it stays busy forever).
+        """The thread, after settling any run of it that the queue has finished without its row saying so.
 
-        Checked lazily on read, per run, against the executing server's heartbeat key, so several
-        servers can share one Redis without one declaring another's live runs dead.
+        A run whose workers all died (``max_attempts`` claims), that was cancelled before any worker
+        claimed it, or that was never enqueued (its server stopped between the two writes) would leave
+        the thread busy forever; the queue's record of the run decides, checked lazily on read.
         """
         row = self.store.get_thread(thread_id, tenant)
-        if row is None or row.status != "busy":
+        if row is None or row.status != "busy" or self.queue is None:
             return row
         for run in self.store.list_runs(thread_id, tenant, limit=5):
-            if run.status not in ("pending", "running") or run.server == self.server_id:
+            if run.status not in ("pending", "running"):
                 continue
-            if run.server and self.store.server_alive(run.server):
-                continue
-            self.store.update_run(run.run_id, status="error", error="the server executing this run stopped "
-                                  "before it ended")
-            self._registry_status(run.run_id, "failed", "server stopped")
-            self.store.update_thread(thread_id, status="idle")
+            state = self.queue.status(run.run_id)
+            if state is None and time.time() * 1000 - run.created_ms > 30_000:
+                self.settle(run, "error", "the run was never queued (its server stopped while creating it)")
+            elif state is not None and state.status == "cancelled":
+                self.settle(run, "interrupted", "cancelled")
+            elif state is not None and state.status == "failed":
+                self.settle(run, "error", state.error or "the run failed")
         return self.store.get_thread(thread_id, tenant)
+
+    def settle(self, run: RunRow, status: str, error: str | None) -> None:
+        """Record the end of a run no executor will record (see :meth:`get_thread`, :meth:`cancel`)."""
+        fresh = self.store.get_run_any(run.run_id)
+        if fresh is None or fresh.status not in ("pending", "running"):
+            return
+        self.store.update_run(run.run_id, status=status, error=error)
+        self.after_run(run, None, status, error)
+        if self.events is not None:
+            self.events.end(run.thread_id, run.run_id)
 
     def create_thread(
         self,
@@ -275,11 +292,25 @@ class Services:
         return wf, row
 
     def start_run(self, wf: Any, row: RunRow) -> RunChannel:
-        """Record the run as pending and queue it on the engine thread."""
+        """Claim the thread, record the run as pending and enqueue it; the channel follows its events.
+
+        The thread is claimed atomically (busy only from a status that allows this run), so the same
+        resume sent twice, to one server or two, starts one run; the other gets 409 before writing.
+        """
         from elesium.state import RunRecord, hash_input
 
-        self.store.create_run(row)
-        self.store.update_thread(row.thread_id, status="busy", graph_id=f"{wf.name}@{wf.version}")
+        allowed = ("interrupted",) if "resume" in (row.request.get("command") or {}) else (
+            "idle", "interrupted", "error")
+        previous = self.store.claim_thread(row.thread_id, allowed)
+        if previous is None:
+            raise HTTPException(
+                status_code=409,
+                detail=f"thread {row.thread_id!r} has a run in progress or is not waiting at an interrupt",
+            )
+        if self.store.create_run(row) is None:
+            self.store.update_thread(row.thread_id, status=previous)
+            raise HTTPException(status_code=409, detail=f"run {row.run_id!r} already exists")
+        self.store.update_thread(row.thread_id, graph_id=f"{wf.name}@{wf.version}")
         if self.runs_registry is not None:
             try:
                 self.runs_registry.create(
@@ -295,14 +326,26 @@ class Services:
                 )
             except Exception:  # noqa: BLE001 - the registry is a secondary index; the run still runs
                 log.exception("run registry create failed for %s", row.run_id)
-        self._forget_old_channels()
-        channel = RunChannel()
-        self.channels[row.run_id] = channel
-        channel.publish("metadata", {"run_id": row.run_id, "thread_id": row.thread_id, "attempt": 1})
-        self.worker.submit(lambda: self._execute(wf, row, channel))
+        timeout = self.settings.run_timeout_s or None
+        try:
+            self.queue.enqueue(row.run_id, {"kind": "api", "thread_id": row.thread_id},
+                               thread_id=row.thread_id, timeout_s=timeout)
+        except Exception:
+            self.settle(row, "error", "the run could not be queued (Redis unavailable)")
+            raise
+        return self.follow(row)
+
+    def follow(self, row: RunRow) -> RunChannel:
+        """This server's channel of the run, fed from its Redis events (created on first use)."""
+        channel = self.channels.get(row.run_id)
+        if channel is None:
+            self._forget_old_channels()
+            channel = RunChannel()
+            self.channels[row.run_id] = channel
+            self.pump.follow(row.thread_id, row.run_id, channel)
         return channel
 
-    def _registry_status(self, run_id: str, status: str, error: str | None = None) -> None:
+    def registry_status(self, run_id: str, status: str, error: str | None = None) -> None:
         if self.runs_registry is None:
             return
         try:
@@ -310,77 +353,15 @@ class Services:
         except Exception:  # noqa: BLE001 - see start_run
             log.debug("run registry status %s for %s not applied", status, run_id, exc_info=True)
 
-    def _execute(self, wf: Any, row: RunRow, channel: RunChannel) -> None:
-        """Body of a run on the engine thread (never raises: every end is recorded)."""
-        modes = row.request.get("stream_mode") or ["values"]
-        graph_modes = tuple(dict.fromkeys("messages" if m == "messages-tuple" else m for m in modes))
-        tap = rp.TappedEngine(self.engine, cancelled=channel.cancel)
-        msg_seen: set[str] = set()
-
-        def emit(mode: str, chunk: Any) -> None:
-            if mode == "messages":
-                message, meta = chunk if isinstance(chunk, list) and len(chunk) == 2 else (chunk, {})
-                if "messages-tuple" in modes:
-                    channel.publish("messages", [message, meta])
-                if "messages" in modes:
-                    mid = str(message.get("id", "")) if isinstance(message, dict) else ""
-                    if mid not in msg_seen:
-                        msg_seen.add(mid)
-                        channel.publish("messages/metadata", {mid: {"metadata": meta}})
-                    channel.publish("messages/partial", [message])
-                return
-            channel.publish(mode, chunk)
-
-        status, error = "error", None
-        try:
-            if channel.cancel.is_set():
-                raise rp.RunCancelled("cancelled before it started")
-            self.store.update_run(row.run_id, status="running")
-            self._registry_status(row.run_id, "running")
-            graph = self.graph(wf)
-            config = rp.run_config(
-                row.thread_id,
-                row.run_id,
-                row.seed,
-                row.tenant,
-                tap,
-                checkpoint_id=row.request.get("checkpoint_id"),
-                log=self.acceptance,
-                workflow=wf.name,
-                mode=row.request.get("mode"),
-            )
-            outcome = rp.drive(
-                graph,
-                rp.command_from(row.request),
-                config,
-                emit=emit,
-                cancelled=channel.cancel,
-                stream_modes=graph_modes,
-            )
-            status, error = outcome.status, outcome.error
-            self.store.update_run(row.run_id, status=status, checkpoints=outcome.checkpoints, error=error)
-        except rp.RunCancelled:
-            status, error = "interrupted", "cancelled"
-            self.store.update_run(row.run_id, status=status, error=error)
-        except Exception as exc:  # noqa: BLE001 - recorded as the run's error
-            log.exception("run %s failed", row.run_id)
-            status, error = "error", f"{type(exc).__name__}: {exc}"
-            self.store.update_run(row.run_id, status=status, error=error)
-        finally:
-            self.store.set_calls(row.run_id, [c.model_dump() for c in tap.calls])
-            self._after_run(wf, row, tap, status, error)
-            if status == "error":
-                channel.publish("error", {"error": (error or "error").split(":")[0], "message": error})
-            channel.close()
-
-    def _after_run(self, wf: Any, row: RunRow, tap: rp.TappedEngine, status: str, error: str | None) -> None:
+    def after_run(self, row: RunRow, tap: rp.TappedEngine | None, status: str, error: str | None) -> None:
+        """The thread's status, the registry's and the metrics once a run has ended."""
         thread_status = {"success": "idle", "interrupted": "interrupted", "error": "error"}.get(
             status, "idle"
         )
         if error == "cancelled":
             thread_status = "idle"
         self.store.update_thread(row.thread_id, status=thread_status)
-        self._registry_status(
+        self.registry_status(
             row.run_id,
             {"success": "succeeded", "interrupted": "interrupted", "error": "failed"}.get(status, "failed")
             if error != "cancelled"
@@ -388,12 +369,14 @@ class Services:
             error,
         )
         self.metrics.runs.labels(status=status if error != "cancelled" else "cancelled").inc()
+        if tap is None:
+            return
         for call in tap.calls:
             self.metrics.generated_tokens.inc(len(call.token_ids))
             self.metrics.prompt_tokens.inc(call.prompt_tokens)
         self.metrics.observe_steps([rec for _, rec in tap.steps])
         nodes = list(dict.fromkeys(c.node for c in tap.calls))
-        self.tracing.run_spans(wf.name, row.run_id, row.thread_id, tap.calls, nodes)
+        self.tracing.run_spans(row.workflow, row.run_id, row.thread_id, tap.calls, nodes)
 
     def _forget_old_channels(self, keep_s: float = 600.0) -> None:
         """Drop event channels of runs that ended more than ``keep_s`` ago (a late ``join`` then reads the
@@ -404,15 +387,29 @@ class Services:
         ]:
             self.channels.pop(rid, None)
 
-    def channel_or_none(self, run_id: str) -> RunChannel | None:
-        return self.channels.get(run_id)
+    def channel_or_none(self, row: RunRow) -> RunChannel | None:
+        """The run's channel on this server: the existing one, a new one following the events of a run
+        that is still pending or running (perhaps created on another server), else None."""
+        channel = self.channels.get(row.run_id)
+        if channel is None and row.status in ("pending", "running"):
+            channel = self.follow(row)
+        return channel
 
     def cancel(self, run_id: str) -> bool:
-        channel = self.channels.get(run_id)
-        if channel is None or channel.closed:
+        """Ask the run to stop, wherever it executes (the queue's cancel key reaches its worker's
+        heartbeat); a run no worker had claimed yet ends here. False if it had already ended."""
+        from elesium.state.errors import RunNotFoundError
+
+        try:
+            status = self.queue.cancel(run_id)
+        except RunNotFoundError:
             return False
-        channel.cancel.set()
-        return True
+        if status == "cancelled":
+            row = self.store.get_run_any(run_id)
+            if row is not None:
+                self.settle(row, "interrupted", "cancelled")
+            return True
+        return status == "cancelling"
 
 
 def _validated(model: Any, value: Any, what: str) -> Any:

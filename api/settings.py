@@ -46,6 +46,14 @@ class ApiSettings:
         max_tokens_cap: upper bound of ``max_tokens`` on /v1/chat/completions.
         otel_exporter: "none" (default), "console" or "otlp".
         model_name: the id /v1/models reports for the loaded model.
+        workers: queue workers this server runs in-process (0: only ``elesium worker`` processes
+            execute its runs).
+        run_timeout_s: a run still executing after this long is stopped and recorded ``timeout``
+            (0: no limit).
+        lease_ttl_s: how long a run's claim lives without a heartbeat (a dead worker's runs resume
+            on another after about this long).
+        shutdown_grace_s: on shutdown, how long in-flight runs get to finish before they are handed
+            back to the queue (resumed by another worker from their last checkpoint).
     """
 
     api_keys: dict[str, str] = field(default_factory=dict)
@@ -56,6 +64,10 @@ class ApiSettings:
     max_tokens_cap: int = 1024
     otel_exporter: str = "none"
     model_name: str = "elesium-smollm2-135m"
+    workers: int = 1
+    run_timeout_s: float = 0.0
+    lease_ttl_s: float = 15.0
+    shutdown_grace_s: float = 30.0
 
     @classmethod
     def from_env(cls, *, auth: bool = True, redis_url: str | None = None) -> ApiSettings:

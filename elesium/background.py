@@ -144,9 +144,15 @@ class WorkflowExecutor:
             pass  # already final
 
 
-def make_executor(args: argparse.Namespace, queue: RunQueue) -> WorkflowExecutor:
-    """``elesium worker``'s default executor: the shipped workflows on this machine's engine."""
+def make_executor(args: argparse.Namespace, queue: RunQueue) -> Any:
+    """``elesium worker``'s default executor: runs created through the API and runs submitted with
+    :func:`submit`, on this machine's engine and the shipped workflows."""
+    from elesium.api.app import build_services
+    from elesium.api.run_executor import ApiRunExecutor, Dispatcher
+    from elesium.api.settings import ApiSettings
     from elesium.commands.common import load_engine
     from elesium.graphs.runner import WorkflowRunner
 
-    return WorkflowExecutor(WorkflowRunner(load_engine(args), args.redis_url))
+    runner = WorkflowRunner(load_engine(args), args.redis_url)
+    services = build_services(ApiSettings(redis_url=args.redis_url), runner.engine, runner.registry)
+    return Dispatcher(ApiRunExecutor(services), WorkflowExecutor(runner))

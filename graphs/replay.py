@@ -34,6 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from elesium.state.errors import StateError
+
 Emit = Callable[[str, Any], None]
 
 
@@ -109,7 +111,8 @@ class TappedEngine:
 
     Everything but ``stream``/``generate`` is delegated to the real engine. Those two record each call
     (node, per-node call index, seed, prompt digest, tokens), forward token chunks to ``on_chunk``
-    (the API's ``messages`` stream mode), collect decode steps for the acceptance log, stop at once
+    (the API's ``messages`` stream mode), report each finished call to ``on_call`` (a queued run
+    persists it at once, so a worker that dies mid-run loses none), collect decode steps, stop at once
     when ``cancelled`` is set (closing the engine stream, which releases the engine), and in recorded
     mode serve ``recorded`` calls instead of generating.
     """
@@ -121,8 +124,10 @@ class TappedEngine:
         recorded: list[LLMCall] | None = None,
         on_chunk: Callable[[str, int, str], None] | None = None,
         cancelled: threading.Event | None = None,
+        on_call: Callable[[LLMCall], None] | None = None,
     ) -> None:
         self._engine = engine
+        self.on_call = on_call
         self._recorded = {(c.node, c.call): c for c in recorded} if recorded is not None else None
         self.on_chunk = on_chunk
         self.cancelled = cancelled or threading.Event()
@@ -187,6 +192,11 @@ class TappedEngine:
         )
         return _TappedStream(self, node, index, inner, None, digest=digest, n_prompt=n_prompt)
 
+    def record(self, call: LLMCall) -> None:
+        self.calls.append(call)
+        if self.on_call is not None:
+            self.on_call(call)
+
     def _step_hook(self, node: str, user: Callable[[Any], None] | None) -> Callable[[Any], None]:
         def hook(record: Any) -> None:
             self.steps.append((node, record))
@@ -248,7 +258,7 @@ class _TappedStream:
                 seed=rec.seed,
                 elapsed_s=0.0,
             )
-            self.tap.calls.append(rec)
+            self.tap.record(rec)
             return
         finished = False
         try:
@@ -265,7 +275,7 @@ class _TappedStream:
         gen = self.inner.result
         self._result = gen
         steps = len(gen.steps)
-        self.tap.calls.append(
+        self.tap.record(
             LLMCall(
                 node=self.node,
                 call=self.index,
@@ -407,8 +417,8 @@ def drive(
                 raise RunCancelled("the run was cancelled")
             if emit is not None:
                 emit(mode, jsonable(chunk))
-    except (RunCancelled, DivergenceError):
-        raise
+    except (RunCancelled, DivergenceError, StateError):
+        raise  # StateError: Redis down or the lease lost, not the run's fault; the run is retried
     except Exception as exc:  # noqa: BLE001 - a node failed: the run ends in error, recorded
         after = [c for c in checkpoint_ids(graph, thread_id) if c not in before]
         return Outcome("error", None, [], after, error=f"{type(exc).__name__}: {exc}")

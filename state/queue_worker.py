@@ -113,6 +113,9 @@ class QueueWorker:
         # Executors see the hand-back at their next step; don't wait for a long LLM call.
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
+        for thread in self._threads:  # the fetch loop returns after its current blocking read
+            if thread is not threading.current_thread():
+                thread.join(self.block_ms / 1000 + 1.0)
         return handed
 
     def join(self, timeout_s: float) -> bool:

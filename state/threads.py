@@ -71,6 +71,7 @@ class RunRow(BaseModel):
     fingerprint: dict[str, str] = Field(default_factory=dict)
     checkpoints: list[str] = Field(default_factory=list)  # checkpoint ids this run wrote, in order
     error: str | None = None
+    idempotency: str | None = None  # "<digest of the request>" when created with an Idempotency-Key
 
 
 _JSON_FIELDS = {"metadata", "request", "fingerprint", "checkpoints"}
@@ -89,6 +90,31 @@ def _from_hash(cls: type[BaseModel], raw: dict[bytes, bytes]) -> Any:
         key, text = k.decode(), v.decode()
         data[key] = json.loads(text) if (key in _JSON_FIELDS or text == "null") else text
     return cls.model_validate(data)
+
+
+# KEYS: thread hash. ARGV: new status, now ms, allowed statuses... Returns the previous status or nil.
+_CLAIM_THREAD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local cur = redis.call('HGET', KEYS[1], 'status') or 'idle'
+for i = 3, #ARGV do
+  if ARGV[i] == cur then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_ms', ARGV[2])
+    return cur
+  end
+end
+return false
+"""
+
+
+# KEYS: run hash, thread-runs zset, ops list, thread hash. ARGV: run id, created ms, op, now, fields...
+_CREATE_RUN = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('RPUSH', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[4], 'updated_ms', ARGV[4])
+return 1
+"""
 
 
 class ThreadStore:
@@ -175,17 +201,27 @@ class ThreadStore:
         with self._guard():
             return bool(self.client.exists(self._k("server", server_id)))
 
-    # ---------------------------------------------------------------- runs
-    def create_run(self, row: RunRow) -> RunRow:
-        """Store a new run, index it under its thread and append it to the thread's operations."""
+    def claim_thread(self, thread_id: str, allowed: tuple[str, ...], status: str = "busy") -> str | None:
+        """Set the thread's status to ``status`` only if it is one of ``allowed`` (atomically, so two
+        servers given the same resume at once cannot both start it); returns the previous status, or
+        None when the thread is missing or in another status."""
         with self._guard():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hset(self._k("run", row.run_id), mapping=_to_hash(row))
-            pipe.zadd(self._k("thread-runs", row.thread_id), {row.run_id: row.created_ms})
-            pipe.rpush(self._k("ops", row.thread_id), json.dumps({"kind": "run", "run_id": row.run_id}))
-            pipe.hset(self._k("thread", row.thread_id), mapping={"updated_ms": str(now_ms())})
-            pipe.execute()
-        return row
+            prev = self.client.eval(_CLAIM_THREAD, 1, self._k("thread", thread_id), status, str(now_ms()),
+                                    *allowed)
+        return prev.decode() if isinstance(prev, bytes) else prev
+
+    # ---------------------------------------------------------------- runs
+    def create_run(self, row: RunRow) -> RunRow | None:
+        """Store a new run, index it under its thread and append it to the thread's operations, in one
+        script; None when a run with this id exists (an idempotent retry: nothing is written)."""
+        fields = [x for kv in _to_hash(row).items() for x in kv]
+        op = json.dumps({"kind": "run", "run_id": row.run_id})
+        keys = [self._k("run", row.run_id), self._k("thread-runs", row.thread_id),
+                self._k("ops", row.thread_id), self._k("thread", row.thread_id)]
+        with self._guard():
+            created = self.client.eval(_CREATE_RUN, 4, *keys, row.run_id, str(row.created_ms), op,
+                                       str(now_ms()), *fields)
+        return row if int(created) else None
 
     def get_run(self, run_id: str, tenant: str, thread_id: str | None = None) -> RunRow | None:
         with self._guard():
@@ -250,6 +286,11 @@ class ThreadStore:
             if calls:
                 pipe.rpush(self._k("calls", run_id), *[json.dumps(c) for c in calls])
             pipe.execute()
+
+    def add_call(self, run_id: str, call: dict[str, Any]) -> None:
+        """Append one finished LLM call (as it finishes, so a worker's death loses none)."""
+        with self._guard():
+            self.client.rpush(self._k("calls", run_id), json.dumps(call))
 
     def calls(self, run_id: str) -> list[dict[str, Any]]:
         with self._guard():

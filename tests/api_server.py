@@ -52,7 +52,8 @@ def api_server(engine: Any, state_server: Any) -> Iterator[LiveServer]:
 
     registry = build_registry()
     settings = ApiSettings(
-        api_keys={KEY_A: "tenant-a", KEY_B: "tenant-b"}, redis_url=state_server.url, max_body_bytes=64_000
+        api_keys={KEY_A: "tenant-a", KEY_B: "tenant-b"}, redis_url=state_server.url, max_body_bytes=64_000,
+        shutdown_grace_s=2.0,
     )
     app = create_app(settings, engine=engine, registry=registry)
     port = free_port()

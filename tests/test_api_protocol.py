@@ -146,20 +146,35 @@ def test_cancel_a_running_run(client, api_server):
     assert done["summary"]
 
 
-def test_a_run_orphaned_by_a_dead_server_does_not_block_its_thread(client, api_server):
-    from elesium.state.threads import RunRow
+def test_runs_the_queue_will_never_finish_do_not_block_their_thread(client, api_server):
+    """A run whose server stopped between recording it and queueing it, and one the queue failed
+    (every worker that claimed it died), are settled on the next read of their thread."""
+    from elesium.state.threads import RunRow, now_ms
 
-    store = api_server.services.store
+    svc = api_server.services
     tid = client.threads.create()["thread_id"]
-    store.create_run(RunRow(run_id="orphan-run", thread_id=tid, tenant="tenant-a", assistant_id="x",
-                            workflow="summary", workflow_version="v", status="running", server="dead-server"))
-    store.update_thread(tid, status="busy")
-    assert client.threads.get(tid)["status"] == "idle"
-    orphan = client.runs.get(tid, "orphan-run")
-    assert orphan["status"] == "error" and "stopped" in orphan["error"]
+    svc.store.create_run(RunRow(run_id="never-queued", thread_id=tid, tenant="tenant-a", assistant_id="x",
+                                workflow="summary", workflow_version="v", status="pending",
+                                created_ms=now_ms() - 60_000))
+    svc.store.update_thread(tid, status="busy")
+    assert client.threads.get(tid)["status"] != "busy"
+    orphan = client.runs.get(tid, "never-queued")
+    assert orphan["status"] == "error" and "never queued" in orphan["error"]
+
+    # A fresh pending run that is not queued yet (its server is between the two writes) is left alone.
+    svc.store.create_run(RunRow(run_id="being-queued", thread_id=tid, tenant="tenant-a", assistant_id="x",
+                                workflow="summary", workflow_version="v", status="pending"))
+    svc.store.update_thread(tid, status="busy")
+    assert client.threads.get(tid)["status"] == "busy"
+    assert client.runs.get(tid, "being-queued")["status"] == "pending"
+
+    # The queue failed it (max attempts; written here as the claim script leaves it): the row follows.
+    svc.queue.client.hset(svc.queue.runs_key, "being-queued", tid)
+    svc.queue.client.hset(svc.queue.run_keys(tid, "being-queued").job,
+                          mapping={"status": "failed", "error": "run killed 5 workers"})
+    assert client.threads.get(tid)["status"] == "error"
+    assert client.runs.get(tid, "being-queued")["error"] == "run killed 5 workers"
     assert client.runs.wait(tid, "summary", input={"topic": "dust"})["summary"]
-    # A run of a live server (this one) is left alone.
-    assert store.server_alive(api_server.services.server_id)
 
 
 def test_stateless_wait_and_seeded_runs_repeat(client):

@@ -185,7 +185,7 @@ def get_run(
 async def join_run(thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)) -> Any:
     svc = services(request)
     row = _run_or_404(svc, who, thread_id, run_id)
-    return JSONResponse(jsonable(await _final(svc, row, svc.channel_or_none(run_id))))
+    return JSONResponse(jsonable(await _final(svc, row, svc.channel_or_none(row))))
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/stream")
@@ -194,7 +194,7 @@ async def join_stream(
 ) -> StreamingResponse:
     svc = services(request)
     row = _run_or_404(svc, who, thread_id, run_id)
-    channel = svc.channel_or_none(run_id)
+    channel = svc.channel_or_none(row)
     if channel is None:  # finished in an earlier process: nothing left to stream but its end
         channel = RunChannel()
         channel.publish("metadata", {"run_id": run_id, "thread_id": thread_id})
@@ -218,7 +218,7 @@ async def cancel_run(
     if row.status not in ("pending", "running"):
         raise HTTPException(status_code=409, detail=f"run {run_id!r} is {row.status}; nothing to cancel")
     svc.cancel(run_id)
-    channel = svc.channel_or_none(run_id)
+    channel = svc.channel_or_none(row)
     if wait and channel is not None:
         await channel.wait_closed()
         return JSONResponse(run_json(svc.store.get_run(run_id, who.tenant) or row))

@@ -3,6 +3,11 @@
 Keys come from ``ELESIUM_API_KEYS`` / ``ELESIUM_API_KEYS_FILE``; without any, the server refuses to
 start unless ``--no-auth`` is given, which it announces, so a forgotten variable never serves
 everyone silently.
+
+Runs go through the durable run queue in Redis. By default this process also executes them
+(``--workers 1``); ``--workers 0`` makes it a pure API server, with ``elesium worker`` processes on
+any machine doing the work. On SIGTERM uvicorn stops taking requests and in-flight runs get
+``--grace`` seconds before they are handed back to the queue.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accept requests without an API key (local use only; every caller is tenant 'default')",
     )
+    p.add_argument("--workers", type=int, default=1,
+                   help="queued runs this process executes at once (0: leave them to `elesium worker`)")
+    p.add_argument("--run-timeout", type=float, default=0.0,
+                   help="seconds a run may execute before it is stopped as timeout (0: no limit)")
+    p.add_argument("--lease-ttl", type=float, default=15.0,
+                   help="seconds a run's claim lives without a heartbeat (a dead worker's runs resume after)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds in-flight runs get to finish on shutdown before they are handed back")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -37,7 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port {args.port} is not a TCP port")
+    for flag, value, low in (("--workers", args.workers, 0), ("--run-timeout", args.run_timeout, 0),
+                             ("--lease-ttl", args.lease_ttl, 0.5), ("--grace", args.grace, 0)):
+        if value < low:
+            raise CliError(f"{flag} must be >= {low:g}, got {value:g}")
     settings = ApiSettings.from_env(auth=not args.no_auth)
+    settings.workers, settings.run_timeout_s = args.workers, args.run_timeout
+    settings.lease_ttl_s, settings.shutdown_grace_s = args.lease_ttl, args.grace
     if settings.auth and not settings.api_keys:
         raise CliError(
             "no API keys: set ELESIUM_API_KEYS=key=tenant,... or ELESIUM_API_KEYS_FILE, "
@@ -57,5 +76,6 @@ def run(args: argparse.Namespace) -> int:
         )
     engine = load_engine(args)
     app = create_app(settings, engine=engine)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=int(args.grace) + 5)
     return 0

@@ -1,0 +1,181 @@
+"""Executing an API run from the durable queue: the C6 executor of protocol runs.
+
+``POST .../runs`` records the run and enqueues it (:meth:`Services.start_run`); whichever worker
+claims it (the server's in-process one, or ``elesium worker`` on any machine) executes it here,
+under its lease:
+
+* the graph is built on the lease's fenced checkpointer and its LLM nodes append to the lease's
+  fenced acceptance log, so a worker that was only paused cannot write after another took over;
+* every stream part goes to the run's Redis event stream (:mod:`elesium.state.run_events`), which
+  any API server relays to its SSE readers; each finished LLM call is stored as it finishes;
+* a cancel (from any server, through the queue's cancel key), a per-run timeout or a lost lease
+  reaches the run through the lease, stops the engine stream after its current decode step, and is
+  recorded as such; a lost lease or a hand-back records nothing (the next owner finishes the run).
+
+Resuming after a crash: when the thread's newest checkpoint was written by this run (LangGraph copies
+the config's ``metadata.run_id`` into each checkpoint), an earlier attempt got that far, so the graph
+continues from it with input ``None``: LangGraph's durable execution re-runs only the tasks without
+a checkpointed result. Seeds come from (run seed, node, call index in the state), so a re-run LLM
+call decodes the same tokens the dead attempt would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from elesium.graphs import replay as rp
+from elesium.state.acceptance_log import Retention
+from elesium.state.queue import Lease, LeaseLostError, RunCancelledError, RunTimeoutError
+
+log = logging.getLogger("elesium.api")
+
+
+class RunFailed(Exception):
+    """The run ended in error (recorded); the queue marks it failed."""
+
+
+def own_checkpoints(graph: Any, thread_id: str, run_id: str) -> list[str]:
+    """Checkpoint ids of the thread (root namespace) written by ``run_id``, oldest first."""
+    config = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
+    ids = [t.config["configurable"]["checkpoint_id"] for t in graph.checkpointer.list(config)
+           if (t.metadata or {}).get("run_id") == run_id]
+    return list(reversed(ids))
+
+
+def _resuming(graph: Any, thread_id: str, run_id: str) -> bool:
+    """True when the thread's newest checkpoint is this run's: an earlier attempt started it."""
+    latest = graph.checkpointer.get_tuple({"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}})
+    return latest is not None and (latest.metadata or {}).get("run_id") == run_id
+
+
+def dedupe_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (node, call index), in first-seen order: a call that a dead attempt finished
+    and the resumed attempt re-ran is recorded once (both decoded the same tokens)."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for call in calls:
+        out[(str(call.get("node")), int(call.get("call", 0)))] = call
+    return list(out.values())
+
+
+class ApiRunExecutor:
+    """``execute(run_id, lease)`` for runs created through the API (payload ``kind: "api"``)."""
+
+    def __init__(self, services: Any) -> None:
+        self.svc = services
+
+    def __call__(self, run_id: str, lease: Lease) -> str:
+        svc = self.svc
+        row = svc.store.get_run_any(run_id)
+        if row is None:
+            raise ValueError(f"run {run_id!r} is queued but has no run row")
+        try:
+            wf = svc.registry.get(row.workflow, row.workflow_version)
+        except KeyError:
+            why = f"workflow {row.workflow}@{row.workflow_version} is not registered here"
+            self._end(row, "error", why)
+            raise RunFailed(why) from None
+        mode = row.request.get("mode")
+        current = svc.fingerprint(mode)
+        if row.fingerprint and current != row.fingerprint:
+            diff = sorted(k for k in set(current) | set(row.fingerprint)
+                          if current.get(k) != row.fingerprint.get(k))
+            self._end(row, "error", f"this worker's engine differs from the run's ({', '.join(diff)})")
+            raise RunFailed(f"engine differs ({', '.join(diff)})")
+
+        def publish(event: str, data: Any) -> None:
+            svc.events.publish(row.thread_id, run_id, event, data)
+
+        publish("metadata", {"run_id": run_id, "thread_id": row.thread_id, "attempt": lease.attempt})
+        cancelled = threading.Event()
+        unregister = lease.on_abort(cancelled.set)
+        tap = rp.TappedEngine(svc.engine, cancelled=cancelled,
+                              on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
+        modes = row.request.get("stream_mode") or ["values"]
+        graph = wf.build(lease.saver())
+        resuming = _resuming(graph, row.thread_id, run_id)
+        config = rp.run_config(
+            row.thread_id, run_id, row.seed, row.tenant, tap,
+            checkpoint_id=None if resuming else row.request.get("checkpoint_id"),
+            log=lease.acceptance_log(retention=Retention(maxlen=None)),
+            workflow=wf.name, mode=mode,
+        )
+        svc.store.update_run(run_id, status="running", server=lease.worker_id)
+        svc.registry_status(run_id, "running")
+        try:
+            outcome = rp.drive(
+                graph, None if resuming else rp.command_from(row.request), config,
+                emit=_emitter(publish, modes), cancelled=cancelled,
+                stream_modes=tuple(dict.fromkeys("messages" if m == "messages-tuple" else m for m in modes)),
+            )
+            if outcome.status == "error":
+                lease.verify()  # a node failed because the lease was lost? then record nothing
+        except rp.RunCancelled:
+            try:
+                lease.check()
+            except RunCancelledError:
+                self._end(row, "interrupted", "cancelled", tap)
+                raise
+            except RunTimeoutError as exc:
+                self._end(row, "timeout", str(exc), tap)
+                raise
+            raise LeaseLostError("the run was stopped without a recorded reason") from None
+        finally:
+            unregister()
+        self._end(row, outcome.status, outcome.error, tap, own_checkpoints(graph, row.thread_id, run_id))
+        if outcome.status == "error":
+            raise RunFailed(outcome.error or "error")
+        return "interrupted" if outcome.status == "interrupted" else "succeeded"
+
+    def _end(self, row: Any, status: str, error: str | None, tap: rp.TappedEngine | None = None,
+             checkpoints: list[str] | None = None) -> None:
+        """Record how the run ended (run row, calls, thread, registry, metrics), then close its events."""
+        svc = self.svc
+        fields: dict[str, Any] = {"status": status, "error": error}
+        if checkpoints is not None:
+            fields["checkpoints"] = checkpoints
+        svc.store.update_run(row.run_id, **fields)
+        svc.store.set_calls(row.run_id, dedupe_calls(svc.store.calls(row.run_id)))
+        svc.after_run(row, tap, status, error)
+        if status == "error":
+            svc.events.publish(row.thread_id, row.run_id, "error",
+                               {"error": (error or "error").split(":")[0], "message": error})
+        svc.events.end(row.thread_id, row.run_id)
+
+
+def _emitter(publish: Any, modes: list[str]) -> Any:
+    """The graph's stream parts as the protocol's SSE events (``messages`` split into metadata and
+    partial messages, ``messages-tuple`` passed as pairs)."""
+    seen: set[str] = set()
+
+    def emit(mode: str, chunk: Any) -> None:
+        if mode == "messages":
+            message, meta = chunk if isinstance(chunk, list) and len(chunk) == 2 else (chunk, {})
+            if "messages-tuple" in modes:
+                publish("messages", [message, meta])
+            if "messages" in modes:
+                mid = str(message.get("id", "")) if isinstance(message, dict) else ""
+                if mid not in seen:
+                    seen.add(mid)
+                    publish("messages/metadata", {mid: {"metadata": meta}})
+                publish("messages/partial", [message])
+            return
+        publish(mode, chunk)
+
+    return emit
+
+
+class Dispatcher:
+    """One queue, two kinds of run: API runs (``kind: "api"``) and workflow runs submitted with
+    :func:`elesium.background.submit` (no kind). ``elesium serve`` and ``elesium worker`` both run it."""
+
+    def __init__(self, api: ApiRunExecutor | None, workflows: Any | None) -> None:
+        self.api, self.workflows = api, workflows
+
+    def __call__(self, run_id: str, lease: Lease) -> str:
+        kind = lease.payload.get("kind")
+        target = self.api if kind == "api" else self.workflows
+        if target is None:
+            raise ValueError(f"this worker does not execute {kind or 'workflow'} runs")
+        return str(target(run_id, lease) or "succeeded")
