@@ -140,7 +140,8 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
         worker=worker,
         metrics=metrics,
         tracing=Tracing(settings.otel_exporter, settings.model_name),
-        queue=RunQueue(client, target=target, lease_ttl_ms=int(settings.lease_ttl_s * 1000)),
+        queue=RunQueue(client, target=target, name=settings.queue_name,
+                       lease_ttl_ms=int(settings.lease_ttl_s * 1000)),
         events=events,
         pump=EventPump(events),
     )

@@ -46,6 +46,8 @@ class ApiSettings:
         max_tokens_cap: upper bound of ``max_tokens`` on /v1/chat/completions.
         otel_exporter: "none" (default), "console" or "otlp".
         model_name: the id /v1/models reports for the loaded model.
+        queue_name: the durable run queue this server's runs go to (its workers and ``elesium worker
+            --queue`` take them from there).
         workers: queue workers this server runs in-process (0: only ``elesium worker`` processes
             execute its runs).
         run_timeout_s: a run still executing after this long is stopped and recorded ``timeout``
@@ -64,6 +66,7 @@ class ApiSettings:
     max_tokens_cap: int = 1024
     otel_exporter: str = "none"
     model_name: str = "elesium-smollm2-135m"
+    queue_name: str = "default"
     workers: int = 1
     run_timeout_s: float = 0.0
     lease_ttl_s: float = 15.0

@@ -8,6 +8,7 @@ records (replay tests) or to prove that a refused request wrote nothing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -43,18 +44,13 @@ class LiveServer:
         return self.app.state.services
 
 
-@pytest.fixture(scope="session")
-def api_server(engine: Any, state_server: Any) -> Iterator[LiveServer]:
+@contextlib.contextmanager
+def live_server(settings: Any, engine: Any, registry: Any) -> Iterator[LiveServer]:
+    """``create_app(settings)`` under a real uvicorn on a free port, for the duration of the block."""
     import uvicorn
 
     from elesium.api.app import create_app
-    from elesium.api.settings import ApiSettings
 
-    registry = build_registry()
-    settings = ApiSettings(
-        api_keys={KEY_A: "tenant-a", KEY_B: "tenant-b"}, redis_url=state_server.url, max_body_bytes=64_000,
-        shutdown_grace_s=2.0,
-    )
     app = create_app(settings, engine=engine, registry=registry)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -66,9 +62,21 @@ def api_server(engine: Any, state_server: Any) -> Iterator[LiveServer]:
             raise RuntimeError("the API test server did not start")
         time.sleep(0.05)
     try:
-        yield LiveServer(
-            url=f"http://127.0.0.1:{port}", redis_url=state_server.url, app=app, registry=registry
-        )
+        yield LiveServer(url=f"http://127.0.0.1:{port}", redis_url=settings.redis_url, app=app,
+                         registry=registry)
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def server_settings(redis_url: str, **overrides: Any) -> Any:
+    from elesium.api.settings import ApiSettings
+
+    return ApiSettings(api_keys={KEY_A: "tenant-a", KEY_B: "tenant-b"}, redis_url=redis_url,
+                       max_body_bytes=64_000, shutdown_grace_s=2.0, **overrides)
+
+
+@pytest.fixture(scope="session")
+def api_server(engine: Any, state_server: Any) -> Iterator[LiveServer]:
+    with live_server(server_settings(state_server.url), engine, build_registry()) as server:
+        yield server

@@ -31,6 +31,12 @@ class ApprovalState(WorkflowState, total=False):
     final: str
 
 
+class RelayState(WorkflowState, total=False):
+    topic: str
+    outline: str
+    text: str
+
+
 class SummaryState(WorkflowState, total=False):
     topic: str
     summary: str
@@ -103,6 +109,23 @@ def story() -> Workflow:
     return Workflow.define("story", _story_factory, TopicIn, description="one long LLM call")
 
 
+def _relay_factory() -> StateGraph:
+    builder = StateGraph(RelayState)
+    builder.add_node(llm_node("outline", prompt="List three facts about {topic}.", output_key="outline",
+                              params={"max_tokens": 24}))
+    builder.add_node(llm_node("expand", prompt="Explain this: {outline}", output_key="text",
+                              params={"max_tokens": 40}))
+    builder.add_edge(START, "outline")
+    builder.add_edge("outline", "expand")
+    builder.add_edge("expand", END)
+    return builder
+
+
+def relay() -> Workflow:
+    """Two LLM calls in two super-steps: a worker killed during the second resumes after the first."""
+    return Workflow.define("relay", _relay_factory, TopicIn, description="two LLM calls in a row")
+
+
 def summary() -> Workflow:
     return Workflow.define("summary", _summary_factory, TopicIn, description="one LLM call")
 
@@ -120,6 +143,19 @@ def build_registry() -> EditableRegistry:
     from elesium.graphs.workflows import shipped
 
     registry = EditableRegistry()
-    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), *shipped()):
+    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), relay(),
+                     *shipped()):
         registry.register(workflow)
     return registry
+
+
+def make_worker_executor(args: Any, queue: Any) -> Any:
+    """``elesium worker --executor api_workflows:make_worker_executor``: API runs of these workflows on
+    the engine loaded as the tests' ``engine`` fixture loads it (the runs' fingerprints must match)."""
+    from elesium.api.app import build_services
+    from elesium.api.run_executor import ApiRunExecutor
+    from elesium.api.settings import ApiSettings
+    from elesium.inference.engine import Engine
+
+    engine = Engine.load(device="cpu", dtype="float32", max_len=2048)
+    return ApiRunExecutor(build_services(ApiSettings(redis_url=args.redis_url), engine, build_registry()))

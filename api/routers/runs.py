@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,21 +22,74 @@ from elesium.state.threads import RunRow, ThreadRow
 router = APIRouter(tags=["runs"])
 
 
+IDEMPOTENCY_NS = uuid.UUID("3b6f0f0e-8d1c-4c8e-9a4e-6f2d51c9e7a1")
+
+
+def _idempotency(
+    request: Request, who: Principal, thread_id: str | None, body: RunCreate
+) -> tuple[str, str] | None:
+    """(run id, request digest) of a request with an ``Idempotency-Key`` header, else None.
+
+    The run id is derived from (tenant, key), so a retry, or the same request sent twice at once to
+    one server or to several, names one run; the digest tells a retry from a different request that
+    reuses the key (409).
+    """
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 0 < len(key) <= 200 or not key.isprintable():
+        raise HTTPException(status_code=422, detail="Idempotency-Key must be 1-200 printable characters")
+    sent = {"thread_id": thread_id, **body.model_dump(mode="json", exclude_none=True)}
+    digest = hashlib.sha256(json.dumps(sent, sort_keys=True, default=str).encode()).hexdigest()
+    return uuid.uuid5(IDEMPOTENCY_NS, f"{who.tenant}\x1f{key}").hex, digest
+
+
+def _replayed(svc: Services, who: Principal, idem: tuple[str, str]) -> tuple[RunRow, RunChannel] | None:
+    """The run an earlier request with this idempotency key created (None if none); 409 if that
+    request was a different one."""
+    existing = svc.store.get_run(idem[0], who.tenant)
+    if existing is None:
+        return None
+    if existing.idempotency != idem[1]:
+        raise HTTPException(
+            status_code=409,
+            detail="Idempotency-Key was already used for a different request; use a new key for a new run",
+        )
+    channel = svc.channel_or_none(existing)
+    if channel is None:  # ended and forgotten here: its end is all there is left to stream
+        channel = RunChannel()
+        channel.publish("metadata", {"run_id": existing.run_id, "thread_id": existing.thread_id})
+        channel.close()
+    return existing, channel
+
+
 def _create(
-    svc: Services, who: Principal, thread_id: str | None, body: RunCreate
+    svc: Services, who: Principal, thread_id: str | None, body: RunCreate, request: Request
 ) -> tuple[RunRow, RunChannel]:
+    idem = _idempotency(request, who, thread_id, body)
+    if idem is not None and (done := _replayed(svc, who, idem)) is not None:
+        return done
     if thread_id is None:  # stateless: validate against a thread that exists only once the run is valid
-        thread = ThreadRow(thread_id=str(uuid.uuid4()), tenant=who.tenant, metadata={"stateless": True})
+        tid = uuid.uuid5(IDEMPOTENCY_NS, f"thread\x1f{idem[0]}").hex if idem else str(uuid.uuid4())
+        thread = ThreadRow(thread_id=tid, tenant=who.tenant, metadata={"stateless": True})
         wf, row = svc.prepare_run(who, thread, body)
-        svc.create_thread(who, thread.thread_id, thread.metadata)
+        svc.create_thread(who, thread.thread_id, thread.metadata, if_exists="do_nothing" if idem else None)
     else:
         thread = svc.get_thread(thread_id, who.tenant)
         if thread is None:
             if body.if_not_exists != "create":
                 raise HTTPException(status_code=404, detail=f"thread {thread_id!r} not found")
-            thread = svc.create_thread(who, thread_id)
+            thread = svc.create_thread(who, thread_id, if_exists="do_nothing")
         wf, row = svc.prepare_run(who, thread, body)
-    return row, svc.start_run(wf, row)
+    if idem is not None:
+        row = row.model_copy(update={"run_id": idem[0], "idempotency": idem[1]})
+    try:
+        return row, svc.start_run(wf, row)
+    except HTTPException as exc:
+        # The same key sent to another server at the same moment: that server's run is this one.
+        if exc.status_code == 409 and idem is not None and (done := _replayed(svc, who, idem)) is not None:
+            return done
+        raise
 
 
 def _location(row: RunRow) -> dict[str, str]:
@@ -84,7 +139,7 @@ def _sse(
 async def create_run(
     thread_id: str, body: RunCreate, request: Request, response: Response, who: Principal = Depends(principal)
 ) -> dict[str, Any]:
-    row, _ = _create(services(request), who, thread_id, body)
+    row, _ = _create(services(request), who, thread_id, body, request)
     response.headers.update(_location(row))
     return run_json(row)
 
@@ -93,7 +148,7 @@ async def create_run(
 async def create_stateless_run(
     body: RunCreate, request: Request, response: Response, who: Principal = Depends(principal)
 ) -> dict[str, Any]:
-    row, _ = _create(services(request), who, None, body)
+    row, _ = _create(services(request), who, None, body, request)
     response.headers.update(_location(row))
     return run_json(row)
 
@@ -103,14 +158,14 @@ async def wait_run(
     thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
 ) -> Any:
     svc = services(request)
-    row, channel = _create(svc, who, thread_id, body)
+    row, channel = _create(svc, who, thread_id, body, request)
     return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
 
 
 @router.post("/runs/wait")
 async def wait_stateless_run(body: RunCreate, request: Request, who: Principal = Depends(principal)) -> Any:
     svc = services(request)
-    row, channel = _create(svc, who, None, body)
+    row, channel = _create(svc, who, None, body, request)
     return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
 
 
@@ -119,7 +174,7 @@ def _stream_new(
 ) -> StreamingResponse:
     """Create a run (on a thread, or stateless) and answer with its SSE stream."""
     svc = services(request)
-    row, channel = _create(svc, who, thread_id, body)
+    row, channel = _create(svc, who, thread_id, body, request)
     return _sse(
         request,
         svc,

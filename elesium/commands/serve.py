@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=int, default=1,
                    help="queued runs this process executes at once (0: leave them to `elesium worker`)")
+    p.add_argument("--queue", default="default", help="the run queue (default: default)")
     p.add_argument("--run-timeout", type=float, default=0.0,
                    help="seconds a run may execute before it is stopped as timeout (0: no limit)")
     p.add_argument("--lease-ttl", type=float, default=15.0,
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if value < low:
             raise CliError(f"{flag} must be >= {low:g}, got {value:g}")
     settings = ApiSettings.from_env(auth=not args.no_auth)
-    settings.workers, settings.run_timeout_s = args.workers, args.run_timeout
+    settings.workers, settings.run_timeout_s, settings.queue_name = args.workers, args.run_timeout, args.queue
     settings.lease_ttl_s, settings.shutdown_grace_s = args.lease_ttl, args.grace
     if settings.auth and not settings.api_keys:
         raise CliError(
