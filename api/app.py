@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -94,16 +93,6 @@ class Guard:
                 )
 
 
-def _heartbeat(svc: Services, stop: threading.Event, every_s: float = 10.0) -> None:
-    """Keep this server's liveness key fresh, so other servers never fail its runs as orphaned."""
-    while not stop.is_set():
-        try:
-            svc.store.heartbeat(svc.server_id, ttl_s=int(every_s * 3))
-        except Exception:  # noqa: BLE001 - Redis down: /readyz reports it; retry on the next beat
-            log.warning("heartbeat to Redis failed", exc_info=True)
-        stop.wait(every_s)
-
-
 def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Services:
     from elesium.api.events import EventPump
     from elesium.state import AcceptanceLog, RedisSaver, Retention, RunRegistry, connect, default_url
@@ -175,17 +164,11 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if "svc" not in holder:
             _install(app)
-        stop = threading.Event()
-        beat = threading.Thread(
-            target=_heartbeat, args=(holder["svc"], stop), name="elesium-heartbeat", daemon=True
-        )
-        beat.start()
         svc = holder["svc"]
         queue_worker = start_queue_worker(svc, settings.workers) if settings.workers > 0 else None
         try:
             yield
         finally:
-            stop.set()
             holder.pop("svc", None)
             if queue_worker is not None:
                 handed = queue_worker.stop(grace_s=settings.shutdown_grace_s)

@@ -388,10 +388,12 @@ class Services:
             self.channels.pop(rid, None)
 
     def channel_or_none(self, row: RunRow) -> RunChannel | None:
-        """The run's channel on this server: the existing one, a new one following the events of a run
-        that is still pending or running (perhaps created on another server), else None."""
+        """The run's channel on this server: the existing one, or a new one following the run's events
+        in Redis (a run created on another server, or one that ended within the events' TTL); None when
+        the run ended and its events have expired."""
         channel = self.channels.get(row.run_id)
-        if channel is None and row.status in ("pending", "running"):
+        active = row.status in ("pending", "running")
+        if channel is None and (active or self.events.exists(row.thread_id, row.run_id)):
             channel = self.follow(row)
         return channel
 

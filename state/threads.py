@@ -67,7 +67,7 @@ class RunRow(BaseModel):
     request: dict[str, Any] = Field(default_factory=dict)  # input / command / checkpoint_id as sent
     seed: int = 0
     approver: str | None = None  # "tenant/key-id" of whoever resumed an interrupt with this run
-    server: str = ""  # the server instance executing it (its heartbeat key tells whether it still lives)
+    server: str = ""  # the server that created it, then the queue worker executing it
     fingerprint: dict[str, str] = Field(default_factory=dict)
     checkpoints: list[str] = Field(default_factory=list)  # checkpoint ids this run wrote, in order
     error: str | None = None
@@ -190,16 +190,6 @@ class ThreadStore:
                 pipe.delete(self._k("run", rid), self._k("calls", rid), self._k("replays", rid))
             pipe.execute()
         return run_ids
-
-    # ---------------------------------------------------------------- server liveness
-    def heartbeat(self, server_id: str, ttl_s: int = 30) -> None:
-        """Mark a server instance alive for ``ttl_s`` seconds (refreshed well before it lapses)."""
-        with self._guard():
-            self.client.set(self._k("server", server_id), b"1", ex=ttl_s)
-
-    def server_alive(self, server_id: str) -> bool:
-        with self._guard():
-            return bool(self.client.exists(self._k("server", server_id)))
 
     def claim_thread(self, thread_id: str, allowed: tuple[str, ...], status: str = "busy") -> str | None:
         """Set the thread's status to ``status`` only if it is one of ``allowed`` (atomically, so two
