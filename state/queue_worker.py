@@ -6,8 +6,8 @@ calls itself; the other steps of other runs overlap them), plus:
 
 * a fetch loop: new entries (``XREADGROUP``) and, every half lease, entries whose worker died
   (``XAUTOCLAIM``), only while a slot is free, so a busy worker never hoards runs;
-* a heartbeat thread: every ``lease_ttl / 4`` it renews each held lease and resets its entry's idle
-  time, and turns what it learns into flags :meth:`Lease.check` raises on: lease lost, cancel
+* a heartbeat thread: every ``lease_ttl / 4`` (at most 0.5 s) it renews each held lease and resets its
+  entry's idle time, and turns what it learns into flags :meth:`Lease.check` raises on: lease lost, cancel
   requested (from any machine, through Redis), per-run timeout passed;
 * graceful stop (SIGTERM in ``elesium worker``): no new runs; in-flight ones get ``grace_s`` to
   finish; the rest are handed back (lease released, entry left pending and marked idle, so another
@@ -225,7 +225,9 @@ class QueueWorker:
             pass
 
     def _heartbeat_loop(self) -> None:
-        interval = self.queue.lease_ttl_ms / 4000
+        # Every TTL/4 keeps a lease alive through three missed beats; at most every 0.5 s so that a cancel
+        # (which the renewal reports) stops a run within about half a second wherever it runs.
+        interval = min(self.queue.lease_ttl_ms / 4000, 0.5)
         while not self._stopped.wait(interval):
             with self._lock:
                 leases = list(self._leases.values())

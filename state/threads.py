@@ -7,17 +7,21 @@ This store keeps them beside the registry, one hash per object, indexed by tenan
 never lists another's objects. Every object carries its tenant; a read with the wrong tenant answers
 None, which the API turns into 404, so ids leak nothing across tenants.
 
-Keys (``P = <prefix>:``)::
+Keys (``P = <prefix>:``, ``{T}`` the thread's hash tag, the checkpointer's)::
 
-    P thread:<tid>          hash   thread fields (see ThreadRow)
+    P {T}:thread            hash   thread fields (see ThreadRow)
+    P {T}:runs              zset   run ids of the thread, score = creation ms (protocol order)
+    P {T}:ops               list   the thread's operations in order (runs, state updates): replay input
+    P {T}:run:<rid>         hash   run fields (see RunRow)
+    P {T}:calls:<rid>       list   the run's LLM calls (JSON), in call order
+    P {T}:replays:<rid>     list   replays of the run (JSON), oldest first
+    P run-thread:<rid>      string the run's thread (so a run is found by its id alone)
     P tenant-threads:<t>    zset   thread ids of tenant t, score = creation ms
-    P run:<rid>             hash   run fields (see RunRow)
-    P thread-runs:<tid>     zset   run ids of a thread, score = creation ms (protocol order)
-    P ops:<tid>             list   the thread's operations in order (runs, state updates): replay input
-    P calls:<rid>           list   the run's LLM calls (JSON), in call order
-    P replays:<rid>         list   replays of the run (JSON), oldest first
 
-Writes that touch several keys go through one MULTI/EXEC so that a failure leaves nothing half-written.
+Everything of a thread and its runs shares the thread's slot, so on a Redis Cluster a write that
+touches several of those keys is still one script or one MULTI/EXEC: a failure leaves nothing
+half-written. The two indexes live in other slots and are written first (a crash between leaves an
+index entry pointing at nothing, which reads skip), never after.
 """
 
 from __future__ import annotations
@@ -106,6 +110,20 @@ return false
 """
 
 
+# KEYS: a hash. ARGV: field, value, ... Creates the hash only if it does not exist; returns 1 if created.
+_CREATE_IF_ABSENT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+# KEYS: a hash. ARGV: field, value, ... Updates the hash only if it exists (a deleted object stays deleted).
+_UPDATE_IF_PRESENT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 # KEYS: run hash, thread-runs zset, ops list, thread hash. ARGV: run id, created ms, op, now, fields...
 _CREATE_RUN = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -126,14 +144,40 @@ class ThreadStore:
         self.client = client
         self._p = prefix + ":"
         self._target = target
+        self._threads: dict[str, str] = {}
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> ThreadStore:
         url = url or default_url()
         return cls(connect(url), target=describe(url), **options)
 
+    def _t(self, thread_id: str, kind: str, ident: str | None = None) -> str:
+        tail = "" if ident is None else ":" + quote(ident, safe="")
+        return f"{self._p}{{{quote(thread_id, safe='') or '%'}}}:{kind}{tail}"
+
     def _k(self, kind: str, ident: str) -> str:
         return f"{self._p}{kind}:{quote(ident, safe='')}"
+
+    def thread_key(self, thread_id: str) -> str:
+        return self._t(thread_id, "thread")
+
+    def thread_of(self, run_id: str) -> str | None:
+        """The thread of a run (None if there is no such run); a run never changes thread, so cached."""
+        tid = self._threads.get(run_id)
+        if tid is None:
+            with self._guard():
+                raw = self.client.get(self._k("run-thread", run_id))
+            if raw is None:
+                return None
+            tid = raw.decode()
+            if len(self._threads) > 100_000:
+                self._threads.clear()
+            self._threads[run_id] = tid
+        return tid
+
+    def _r(self, run_id: str, kind: str = "run") -> str | None:
+        tid = self.thread_of(run_id)
+        return None if tid is None else self._t(tid, kind, run_id)
 
     def _guard(self) -> Any:
         return translate_errors(f"the API keys {self._p}*", self._target)
@@ -141,19 +185,19 @@ class ThreadStore:
     # ---------------------------------------------------------------- threads
     def create_thread(self, row: ThreadRow) -> ThreadRow | None:
         """Store a new thread; None when the id is taken (by anyone: ids are global)."""
-        key = self._k("thread", row.thread_id)
+        fields = [x for kv in _to_hash(row).items() for x in kv]
         with self._guard():
-            if not self.client.hsetnx(key, "thread_id", row.thread_id):
-                return None
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hset(key, mapping=_to_hash(row))
-            pipe.zadd(self._k("tenant-threads", row.tenant), {row.thread_id: row.created_ms})
-            pipe.execute()
-        return row
+            self.client.zadd(self._k("tenant-threads", row.tenant), {row.thread_id: row.created_ms}, nx=True)
+            created = self.client.eval(_CREATE_IF_ABSENT, 1, self.thread_key(row.thread_id), *fields)
+            if not int(created):
+                owner = self.client.hget(self.thread_key(row.thread_id), "tenant")
+                if owner is not None and owner.decode() != row.tenant:
+                    self.client.zrem(self._k("tenant-threads", row.tenant), row.thread_id)
+        return row if int(created) else None
 
     def get_thread(self, thread_id: str, tenant: str) -> ThreadRow | None:
         with self._guard():
-            raw = self.client.hgetall(self._k("thread", thread_id))
+            raw = self.client.hgetall(self.thread_key(thread_id))
         if not raw:
             return None
         row = _from_hash(ThreadRow, raw)
@@ -162,9 +206,9 @@ class ThreadStore:
     def update_thread(self, thread_id: str, **fields: Any) -> None:
         row = {k: (json.dumps(v) if k in _JSON_FIELDS or v is None else str(v)) for k, v in fields.items()}
         row["updated_ms"] = str(now_ms())
+        args = [x for kv in row.items() for x in kv]
         with self._guard():
-            if self.client.exists(self._k("thread", thread_id)):
-                self.client.hset(self._k("thread", thread_id), mapping=row)
+            self.client.eval(_UPDATE_IF_PRESENT, 1, self.thread_key(thread_id), *args)
 
     def list_threads(self, tenant: str, *, limit: int = 10, offset: int = 0) -> list[ThreadRow]:
         """The tenant's threads, newest first."""
@@ -172,7 +216,7 @@ class ThreadStore:
             ids = self.client.zrevrange(self._k("tenant-threads", tenant), 0, -1)
             pipe = self.client.pipeline(transaction=False)
             for tid in ids:
-                pipe.hgetall(self._k("thread", tid.decode()))
+                pipe.hgetall(self.thread_key(tid.decode()))
             rows = [_from_hash(ThreadRow, r) for r in pipe.execute() if r]
         rows = [r for r in rows if r.tenant == tenant]
         return rows[offset : offset + limit] if limit > 0 else []
@@ -180,15 +224,19 @@ class ThreadStore:
     def delete_thread(self, thread_id: str, tenant: str) -> list[str]:
         """Delete the thread and its runs' rows; returns the run ids (their other data is the caller's)."""
         with self._guard():
-            run_ids = [r.decode() for r in self.client.zrange(self._k("thread-runs", thread_id), 0, -1)]
+            run_ids = [r.decode() for r in self.client.zrange(self._t(thread_id, "runs"), 0, -1)]
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(
-                self._k("thread", thread_id), self._k("thread-runs", thread_id), self._k("ops", thread_id)
-            )
+            pipe.delete(self.thread_key(thread_id), self._t(thread_id, "runs"), self._t(thread_id, "ops"))
+            for rid in run_ids:
+                pipe.delete(*(self._t(thread_id, kind, rid) for kind in ("run", "calls", "replays")))
+            pipe.execute()
+            pipe = self.client.pipeline(transaction=False)
             pipe.zrem(self._k("tenant-threads", tenant), thread_id)
             for rid in run_ids:
-                pipe.delete(self._k("run", rid), self._k("calls", rid), self._k("replays", rid))
+                pipe.delete(self._k("run-thread", rid))
             pipe.execute()
+        for rid in run_ids:
+            self._threads.pop(rid, None)
         return run_ids
 
     def claim_thread(self, thread_id: str, allowed: tuple[str, ...], status: str = "busy") -> str | None:
@@ -196,7 +244,7 @@ class ThreadStore:
         servers given the same resume at once cannot both start it); returns the previous status, or
         None when the thread is missing or in another status."""
         with self._guard():
-            prev = self.client.eval(_CLAIM_THREAD, 1, self._k("thread", thread_id), status, str(now_ms()),
+            prev = self.client.eval(_CLAIM_THREAD, 1, self.thread_key(thread_id), status, str(now_ms()),
                                     *allowed)
         return prev.decode() if isinstance(prev, bytes) else prev
 
@@ -206,45 +254,50 @@ class ThreadStore:
         script; None when a run with this id exists (an idempotent retry: nothing is written)."""
         fields = [x for kv in _to_hash(row).items() for x in kv]
         op = json.dumps({"kind": "run", "run_id": row.run_id})
-        keys = [self._k("run", row.run_id), self._k("thread-runs", row.thread_id),
-                self._k("ops", row.thread_id), self._k("thread", row.thread_id)]
+        tid = row.thread_id
+        keys = [self._t(tid, "run", row.run_id), self._t(tid, "runs"), self._t(tid, "ops"),
+                self.thread_key(tid)]
         with self._guard():
+            if not self.client.set(self._k("run-thread", row.run_id), tid, nx=True):
+                if self.thread_of(row.run_id) != tid:
+                    return None  # the id names a run of another thread
             created = self.client.eval(_CREATE_RUN, 4, *keys, row.run_id, str(row.created_ms), op,
                                        str(now_ms()), *fields)
         return row if int(created) else None
 
     def get_run(self, run_id: str, tenant: str, thread_id: str | None = None) -> RunRow | None:
-        with self._guard():
-            raw = self.client.hgetall(self._k("run", run_id))
-        if not raw:
-            return None
-        row = _from_hash(RunRow, raw)
-        if row.tenant != tenant or (thread_id is not None and row.thread_id != thread_id):
+        row = self.get_run_any(run_id)
+        if row is None or row.tenant != tenant or (thread_id is not None and row.thread_id != thread_id):
             return None
         return row
 
     def get_run_any(self, run_id: str) -> RunRow | None:
         """The run whatever its tenant: for operators with direct access (the CLI), never for API callers."""
+        key = self._r(run_id)
+        if key is None:
+            return None
         with self._guard():
-            raw = self.client.hgetall(self._k("run", run_id))
+            raw = self.client.hgetall(key)
         return _from_hash(RunRow, raw) if raw else None
 
     def update_run(self, run_id: str, **fields: Any) -> None:
+        key = self._r(run_id)
+        if key is None:
+            return
         row = {k: (json.dumps(v) if k in _JSON_FIELDS or v is None else str(v)) for k, v in fields.items()}
         row["updated_ms"] = str(now_ms())
         with self._guard():
-            if self.client.exists(self._k("run", run_id)):
-                self.client.hset(self._k("run", run_id), mapping=row)
+            self.client.eval(_UPDATE_IF_PRESENT, 1, key, *[x for kv in row.items() for x in kv])
 
     def list_runs(
         self, thread_id: str, tenant: str, *, limit: int = 10, offset: int = 0, status: str | None = None
     ) -> list[RunRow]:
         """The thread's runs, newest first."""
         with self._guard():
-            ids = self.client.zrevrange(self._k("thread-runs", thread_id), 0, -1)
+            ids = self.client.zrevrange(self._t(thread_id, "runs"), 0, -1)
             pipe = self.client.pipeline(transaction=False)
             for rid in ids:
-                pipe.hgetall(self._k("run", rid.decode()))
+                pipe.hgetall(self._t(thread_id, "run", rid.decode()))
             rows = [_from_hash(RunRow, r) for r in pipe.execute() if r]
         rows = [r for r in rows if r.tenant == tenant and (status is None or r.status == status)]
         return rows[offset : offset + limit] if limit > 0 else []
@@ -253,43 +306,58 @@ class ThreadStore:
         """Drop a finished run's row, calls and replays (its checkpoints belong to the thread)."""
         with self._guard():
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self._k("run", run_id), self._k("calls", run_id), self._k("replays", run_id))
-            pipe.zrem(self._k("thread-runs", thread_id), run_id)
+            pipe.delete(*(self._t(thread_id, kind, run_id) for kind in ("run", "calls", "replays")))
+            pipe.zrem(self._t(thread_id, "runs"), run_id)
             pipe.execute()
+            self.client.delete(self._k("run-thread", run_id))
+        self._threads.pop(run_id, None)
 
     # ---------------------------------------------------------------- thread operations
     def add_op(self, thread_id: str, op: dict[str, Any]) -> None:
         """Append a non-run operation (a state update) to the thread's replayable history."""
         with self._guard():
-            self.client.rpush(self._k("ops", thread_id), json.dumps(op))
+            self.client.rpush(self._t(thread_id, "ops"), json.dumps(op))
 
     def ops(self, thread_id: str) -> list[dict[str, Any]]:
         with self._guard():
-            return [json.loads(x) for x in self.client.lrange(self._k("ops", thread_id), 0, -1)]
+            return [json.loads(x) for x in self.client.lrange(self._t(thread_id, "ops"), 0, -1)]
 
     # ---------------------------------------------------------------- LLM calls and replays
+    def _list_key(self, run_id: str, kind: str) -> str:
+        key = self._r(run_id, kind)
+        if key is None:
+            raise KeyError(f"no run {run_id!r}")
+        return key
+
     def set_calls(self, run_id: str, calls: list[dict[str, Any]]) -> None:
-        """Replace the run's recorded LLM calls (written once, when the run ends)."""
+        """Replace the run's recorded LLM calls (once the run has ended: deduplicated after a resume)."""
+        key = self._list_key(run_id, "calls")
         with self._guard():
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self._k("calls", run_id))
+            pipe.delete(key)
             if calls:
-                pipe.rpush(self._k("calls", run_id), *[json.dumps(c) for c in calls])
+                pipe.rpush(key, *[json.dumps(c) for c in calls])
             pipe.execute()
 
     def add_call(self, run_id: str, call: dict[str, Any]) -> None:
         """Append one finished LLM call (as it finishes, so a worker's death loses none)."""
         with self._guard():
-            self.client.rpush(self._k("calls", run_id), json.dumps(call))
+            self.client.rpush(self._list_key(run_id, "calls"), json.dumps(call))
 
     def calls(self, run_id: str) -> list[dict[str, Any]]:
+        key = self._r(run_id, "calls")
+        if key is None:
+            return []
         with self._guard():
-            return [json.loads(x) for x in self.client.lrange(self._k("calls", run_id), 0, -1)]
+            return [json.loads(x) for x in self.client.lrange(key, 0, -1)]
 
     def add_replay(self, run_id: str, replay: dict[str, Any]) -> None:
         with self._guard():
-            self.client.rpush(self._k("replays", run_id), json.dumps(replay))
+            self.client.rpush(self._list_key(run_id, "replays"), json.dumps(replay))
 
     def replays(self, run_id: str) -> list[dict[str, Any]]:
+        key = self._r(run_id, "replays")
+        if key is None:
+            return []
         with self._guard():
-            return [json.loads(x) for x in self.client.lrange(self._k("replays", run_id), 0, -1)]
+            return [json.loads(x) for x in self.client.lrange(key, 0, -1)]

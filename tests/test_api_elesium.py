@@ -113,7 +113,7 @@ def test_replay_names_a_tampered_token(client, http, api_server):
     tid, rid = _fresh_summary_run(client)
     assert replay(http, tid, rid)["verdict"] == "identical"
     r = api_server.redis()
-    key = api_server.services.store._k("calls", rid)  # noqa: SLF001 - the test tampers with the record
+    key = api_server.services.store._r(rid, "calls")  # noqa: SLF001 - the test tampers with the record
     call = json.loads(r.lindex(key, 0))
     original = call["token_ids"][2]
     call["token_ids"][2] = original + 1
@@ -164,7 +164,7 @@ def test_replay_reports_a_changed_workflow_version(client, http, api_server):
 
 def test_recorded_mode_fails_when_the_path_differs(client, http, api_server):
     tid, rid = _fresh_summary_run(client)
-    api_server.redis().delete(api_server.services.store._k("calls", rid))  # noqa: SLF001
+    api_server.redis().delete(api_server.services.store._r(rid, "calls"))  # noqa: SLF001
     report = replay(http, tid, rid, mode="recorded")
     assert report["verdict"] == "diverged"
     d = report["divergence"]

@@ -465,14 +465,14 @@ def test_bad_input_gets_a_4xx_and_writes_nothing(
 ) -> None:
     tid, rid = idle_thread
     before = _keys(api_server)
-    thread_before = api_server.redis().hgetall(f"elesium:api:thread:{tid}")
+    thread_before = api_server.redis().hgetall(api_server.services.store.thread_key(tid))
     with api_server.http() as http:
         send = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
         reply = http.request(method, path.format(tid=tid, rid=rid), headers=headers, **send)
     assert reply.status_code == status, (what, reply.status_code, reply.text)
     assert words.lower() in reply.json()["detail"].lower(), (what, reply.text)
     assert _keys(api_server) == before, what
-    after = api_server.redis().hgetall(f"elesium:api:thread:{tid}")
+    after = api_server.redis().hgetall(api_server.services.store.thread_key(tid))
     assert {k: v for k, v in after.items() if k != b"updated_ms"} == {
         k: v for k, v in thread_before.items() if k != b"updated_ms"
     }, what
