@@ -35,7 +35,7 @@ from elesium.state.acceptance_log import AcceptanceLog
 from elesium.state.fenced import dumps_fields
 from queue_harness import TESTS, WorkerProc
 
-pytest_plugins = ["state_fixtures", "api_server"]
+pytest_plugins = ["state_fixtures", "api_server", "cluster_fixtures"]
 TIMEOUT_S = float(os.environ.get("ELESIUM_CRASH_TIMEOUT", "300"))
 
 
@@ -195,6 +195,54 @@ def test_a_worker_process_executes_streams_and_survives_a_crash(
     assert remote.server.services.queue.status(run["run_id"]).status == "cancelled"
     assert there.threads.get(tid)["status"] == "idle"
     assert b.terminate() == 0, remote.logs()
+
+
+def test_the_service_on_a_redis_cluster(engine: Any, local_cluster: Any, api_server: LiveServer) -> None:
+    """Threads, runs through the queue, streaming, an interrupt and its resume, an idempotent retry and a
+    replay, with every key of the service on a 3-master cluster; results equal the single server's."""
+    import redis
+
+    with live_server(server_settings(local_cluster.url), engine, build_registry()) as server:
+        client = get_sync_client(url=server.url, api_key=KEY_A)
+        single = get_sync_client(url=api_server.url, api_key=KEY_A)
+        seeded = {"configurable": {"run_seed": 3}}
+        tid = client.threads.create()["thread_id"]
+        first = client.runs.wait(tid, "approval", input={"topic": "maps"}, config=seeded)
+        assert "__interrupt__" in first
+        reference = single.runs.wait(
+            single.threads.create()["thread_id"], "approval", input={"topic": "maps"}, config=seeded
+        )
+        assert first["draft"] == reference["draft"]
+        done = client.runs.wait(tid, "approval", command={"resume": {"approved": True, "note": "fine"}})
+        assert done["final"] == f"APPROVED: {first['draft']}"
+
+        parts = list(
+            client.runs.stream(
+                None,
+                "summary",
+                input={"topic": "moss"},
+                stream_mode=["values", "messages-tuple"],
+                config=seeded,
+            )
+        )
+        assert [p.event for p in parts][0] == "metadata" and "messages" in [p.event for p in parts]
+
+        http = server.http()
+        body = {"assistant_id": "summary", "input": {"topic": "salt"}}
+        one = http.post("/runs/wait", json=body, headers={"Idempotency-Key": "cluster-1"})
+        two = http.post("/runs/wait", json=body, headers={"Idempotency-Key": "cluster-1"})
+        assert one.status_code == two.status_code == 200 and one.json() == two.json()
+        assert one.headers["content-location"] == two.headers["content-location"]
+
+        runs = client.runs.list(tid)
+        report = http.post(f"/threads/{tid}/runs/{runs[-1]['run_id']}/replay", json={"mode": "reexecute"})
+        assert report.status_code == 200 and report.json()["verdict"] == "identical", report.text
+
+        # The keys really are spread over the masters (not one node doing all the work).
+        counts = []
+        for port in local_cluster.ports:
+            counts.append(redis.Redis(port=port).dbsize())
+        assert sum(1 for c in counts if c) >= 2, counts
 
 
 # ---------------------------------------------------------------- concurrent duplicates
