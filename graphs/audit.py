@@ -13,7 +13,6 @@ from typing import Any
 
 from elesium.inference.records import Generation, StepRecord
 from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
-from elesium.state.errors import translate_errors
 
 
 def calls_key(log: AcceptanceLog, run_id: str) -> str:
@@ -61,14 +60,14 @@ def call_entries(
 def record_call(
     log: AcceptanceLog, run_id: str, node: str, call_index: int, call_seed: int, gen: Generation
 ) -> bool:
-    """Append the call's entries unless this (node, call) is already recorded; True when written."""
-    client: Any = log.client
-    with translate_errors(f"the acceptance stream {log.key(run_id)}", "the configured server"):
-        if not client.sadd(calls_key(log, run_id), f"{node}\x1f{call_index}"):
-            return False
-        first = log.length(run_id)
-    log.append_many(call_entries(run_id, node, call_index, call_seed, gen, first))
-    return True
+    """Append the call's entries unless this (node, call) is already recorded; True when written.
+
+    The "recorded" marker and the entries are one script (fenced under a lease): a worker that dies
+    or loses its lease between the two cannot leave a call marked but missing.
+    """
+    first = log.length(run_id)
+    entries = call_entries(run_id, node, call_index, call_seed, gen, first)
+    return bool(log.append_many(entries, once=(calls_key(log, run_id), f"{node}\x1f{call_index}")))
 
 
 def call_tokens(log: AcceptanceLog, run_id: str) -> list[tuple[str, int, int, tuple[int, ...]]]:

@@ -32,6 +32,26 @@ from elesium.state.errors import translate_errors
 DEFAULT_PREFIX = "elesium:acc"
 _SCHEMA = "1"
 
+# KEYS: stream (, marker set). ARGV: trim strategy ('' = untrimmed, MAXLEN or MINID), '~' or '=', its
+# threshold, marker member ('' = none), then per entry: n, then n field/value args. All entries or none:
+# a crash cannot leave half a batch. With a marker, the batch is written only if the member was not in
+# the set yet, and the member is added in the same step: "recorded once" cannot be marked without its
+# entries, nor the entries written twice.
+APPEND_SCRIPT = r"""
+if ARGV[4] ~= '' and redis.call('SADD', KEYS[2], ARGV[4]) == 0 then return {} end
+local ids, i = {}, 5
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  if ARGV[1] ~= '' then
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '*', unpack(ARGV, i + 1, i + n))
+  else
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + n))
+  end
+  i = i + n + 1
+end
+return ids
+"""
+
 
 class AcceptanceEntry(BaseModel):
     """A :class:`StepRecord` and its place in a run.
@@ -184,26 +204,53 @@ class AcceptanceLog:
             entry_id = self.client.xadd(key, fields, **self.retention.xadd_kwargs())
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
-    def append_many(self, entries: Sequence[AcceptanceEntry]) -> list[str]:
-        """Append a batch in one round trip per run, atomically per run; stream ids in input order."""
+    def append_many(
+        self, entries: Sequence[AcceptanceEntry], *, once: tuple[str, str] | None = None
+    ) -> list[str]:
+        """Append a batch in one round trip per run, atomically per run; stream ids in input order.
+
+        ``once=(set key, member)`` (one run's entries only; the set in the stream's slot): write the
+        batch only if ``member`` is not in the set yet, adding it in the same script; returns [] when
+        it was already there.
+        """
         ids: dict[int, str] = {}
         by_run: dict[str, list[int]] = {}
         for i, entry in enumerate(entries):
             by_run.setdefault(entry.run_id, []).append(i)
+        if once is not None and len(by_run) > 1:
+            raise ValueError("append_many(once=...) takes the entries of one run")
         for run_id, positions in by_run.items():
-            replies = self._append_run(run_id, [entries[i] for i in positions])
+            replies = self._append_run(run_id, [entries[i] for i in positions], once)
+            if not replies:
+                return []
             for i, reply in zip(positions, replies):
                 ids[i] = reply.decode() if isinstance(reply, bytes) else str(reply)
         return [ids[i] for i in range(len(entries))]
 
-    def _append_run(self, run_id: str, entries: Sequence[AcceptanceEntry]) -> list[Any]:
-        """One run's entries in one MULTI/EXEC; the raw stream ids. Subclasses change how (fencing)."""
+    def _fields(self, entry: AcceptanceEntry) -> list[str]:
+        return [x for kv in entry.to_fields().items() for x in kv]
+
+    def _script_args(self, entries: Sequence[AcceptanceEntry], once: tuple[str, str] | None) -> list[Any]:
         trim = self.retention.xadd_kwargs()
+        op = "~" if trim.get("approximate") else "="
+        if "maxlen" in trim:
+            args: list[Any] = ["MAXLEN", op, str(trim["maxlen"])]
+        elif "minid" in trim:
+            args = ["MINID", op, str(trim["minid"])]
+        else:
+            args = ["", "", ""]
+        args.append(once[1] if once else "")
+        for entry in entries:
+            flat = self._fields(entry)
+            args += [len(flat), *flat]
+        return args
+
+    def _append_run(self, run_id: str, entries: Sequence[AcceptanceEntry],
+                    once: tuple[str, str] | None = None) -> list[Any]:
+        """One run's entries in one script; the raw stream ids. Subclasses change how (fencing)."""
+        keys = [self.key(run_id), *([once[0]] if once else [])]
         with self._guard(run_id):
-            pipe = self.client.pipeline(transaction=True)
-            for entry in entries:
-                pipe.xadd(self.key(run_id), entry.to_fields(), **trim)
-            return pipe.execute()
+            return list(self.client.eval(APPEND_SCRIPT, len(keys), *keys, *self._script_args(entries, once)))
 
     def read(
         self, run_id: str, start: str = "-", end: str = "+", count: int | None = None

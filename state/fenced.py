@@ -24,7 +24,7 @@ import redis.exceptions
 
 from elesium.state import _keys as K
 from elesium.state._saver_base import Request, ScriptCall
-from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
+from elesium.state.acceptance_log import APPEND_SCRIPT, AcceptanceEntry, AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
 from elesium.state.errors import translate_errors
 from elesium.state.queue import LeaseLostError
@@ -42,22 +42,6 @@ end
 """
 
 _FENCED_SCRIPTS = ("put", "put_writes")
-
-# KEYS: stream (, fence). ARGV: maxlen ('' = untrimmed), then per entry: n, then n field/value args
-# (, token). All entries or none: a crash cannot leave half a batch.
-_APPEND = r"""
-local ids, i = {}, 2
-while i <= #ARGV do
-  local n = tonumber(ARGV[i])
-  if ARGV[1] ~= '' then
-    ids[#ids + 1] = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, i + 1, i + n))
-  else
-    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + n))
-  end
-  i = i + n + 1
-end
-return ids
-"""
 
 # KEYS: stream (, fence). ARGV: attempt, node id, call index (, token). Deletes that call's entries of
 # other attempts.
@@ -129,25 +113,27 @@ class FencedAcceptanceLog(AcceptanceLog):
         self.token = str(token)
         self._fence_tag = fence_tag
         self._scripts_for = {
-            True: {"append": client.register_script(_FENCE_CHECK + _APPEND),
+            True: {"append": client.register_script(_FENCE_CHECK + APPEND_SCRIPT),
                    "begin": client.register_script(_FENCE_CHECK + _BEGIN_CALL)},
-            False: {"append": client.register_script(_APPEND), "begin": client.register_script(_BEGIN_CALL)},
+            False: {"append": client.register_script(APPEND_SCRIPT),
+                    "begin": client.register_script(_BEGIN_CALL)},
         }
 
     def _same_slot(self, run_id: str) -> bool:
         return self.key(run_id).endswith("{" + self._fence_tag + "}")
 
-    def _fenced(self, run_id: str, name: str, args: list[Any]) -> Any:
+    def _fenced(self, run_id: str, name: str, args: list[Any], extra_keys: Sequence[str] = ()) -> Any:
+        keys = [self.key(run_id), *extra_keys]
         with translate_errors(f"the acceptance stream {self.key(run_id)}", self._target):
             try:
                 if self._same_slot(run_id):
                     script = self._scripts_for[True][name]
-                    return script(keys=[self.key(run_id), self.fence_key], args=[*args, self.token])
+                    return script(keys=[*keys, self.fence_key], args=[*args, self.token])
                 current = self.client.get(self.fence_key)
                 if (current.decode() if isinstance(current, bytes) else current) != self.token:
                     raise LeaseLostError(f"acceptance write refused: token {self.token} superseded "
                                          f"by {current}")
-                return self._scripts_for[False][name](keys=[self.key(run_id)], args=args)
+                return self._scripts_for[False][name](keys=keys, args=args)
             except redis.exceptions.ResponseError as exc:
                 if _is_fenced(exc):
                     raise LeaseLostError(f"acceptance write refused: {exc}") from None
@@ -156,13 +142,7 @@ class FencedAcceptanceLog(AcceptanceLog):
     def _fields(self, entry: AcceptanceEntry) -> list[str]:
         fields = entry.to_fields()
         fields["attempt"] = self.token
-        flat: list[str] = []
-        for k, v in fields.items():
-            flat += [k, v]
-        return flat
-
-    def _maxlen(self) -> str:
-        return str(self.retention.maxlen) if self.retention.maxlen is not None else ""
+        return [x for kv in fields.items() for x in kv]
 
     def begin_call(self, run_id: str, node_id: str, call_index: int | None) -> int:
         """Before (re-)running an LLM call: delete what other attempts wrote for it; returns how many."""
@@ -172,13 +152,11 @@ class FencedAcceptanceLog(AcceptanceLog):
     def append(self, entry: AcceptanceEntry) -> str:
         return self.append_many([entry])[0]
 
-    def _append_run(self, run_id: str, entries: Sequence[AcceptanceEntry]) -> list[Any]:
+    def _append_run(self, run_id: str, entries: Sequence[AcceptanceEntry],
+                    once: tuple[str, str] | None = None) -> list[Any]:
         """One run's entries in one fenced script: all or nothing, and only while the lease holds."""
-        args: list[Any] = [self._maxlen()]
-        for entry in entries:
-            flat = self._fields(entry)
-            args += [len(flat), *flat]
-        return list(self._fenced(run_id, "append", args))
+        extra = [once[0]] if once else []
+        return list(self._fenced(run_id, "append", self._script_args(entries, once), extra))
 
 
 def entry_attempts(log: AcceptanceLog, run_id: str) -> list[tuple[str, int]]:

@@ -78,6 +78,10 @@ class Remote:
         self.workers.append(worker)
         return worker
 
+    def ready(self, worker: WorkerProc) -> None:
+        """Wait until the worker has loaded its engine and takes runs (it says so on stderr)."""
+        _wait(lambda: f"queue {self.queue!r}" in worker.log(), f"worker {worker.worker_id} to start", self)
+
     def logs(self) -> str:
         return "\n".join(f"--- {w.worker_id}\n{w.log()}" for w in self.workers)
 
@@ -289,6 +293,7 @@ def test_the_same_resume_sent_to_two_servers_at_once_starts_one_run(
 ) -> None:
     here = api_server.http()
     worker = remote.spawn("C")  # runs a resume that lands on the remote server
+    remote.ready(worker)
     tid = here.post("/threads", json={}).json()["thread_id"]
     first = here.post(
         f"/threads/{tid}/runs/wait", json={"assistant_id": "approval", "input": {"topic": "tea"}}

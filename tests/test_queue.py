@@ -135,9 +135,9 @@ def test_begin_call_keeps_one_attempt_per_call(queue: RunQueue, key_prefix: str)
     (delivery,) = queue.read_new("w1", 1, 100)
     one = queue.claim(delivery, "w1")
     log_prefix = f"{key_prefix}:acc"
-    rec = StepRecord(step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,
-                     accepted_nodes=(0,),
-                     tokens=(5,))
+    rec = StepRecord(
+        step=0, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1, accepted_nodes=(0,), tokens=(5,)
+    )
     entry = AcceptanceEntry(run_id="run-a", node_id="llm", step_id=0, record=rec, call_index=0)
     log1 = one.acceptance_log(prefix=log_prefix)
     log1.append_many([entry, entry])  # a partial call: the worker "dies" here
@@ -151,6 +151,52 @@ def test_begin_call_keeps_one_attempt_per_call(queue: RunQueue, key_prefix: str)
     plain = AcceptanceLog(queue.client, prefix=log_prefix)
     assert [a for _, a in entry_attempts(plain, "run-a")] == [2, 2, 2]
     assert len(plain.read("run-a")) == 3
+
+
+def test_a_call_is_recorded_once_and_never_marked_without_its_entries(
+    queue: RunQueue, key_prefix: str
+) -> None:
+    """graphs/audit.record_call: the "recorded" marker and the call's entries are one fenced script, so
+    a superseded worker leaves neither, the owner records the call once, and a re-run is skipped."""
+    from elesium.graphs.audit import calls_key, record_call
+    from elesium.inference.records import Generation
+
+    gen = Generation(
+        text="hi",
+        token_ids=(5, 6, 7),
+        prompt_tokens=3,
+        finish_reason="length",
+        mode="vanilla",
+        seed=9,
+        elapsed_s=0.0,
+        steps=(
+            StepRecord(
+                step=1,
+                mode="vanilla",
+                tree_size=1,
+                tree_depth=0,
+                accepted_length=1,
+                accepted_nodes=(0,),
+                tokens=(6,),
+            ),
+        ),
+    )
+    queue.enqueue("run-o", {})
+    (delivery,) = queue.read_new("w1", 1, 100)
+    old = queue.claim(delivery, "w1")
+    queue.release(old)
+    new = queue.claim(delivery, "w2")
+    log_prefix = f"{key_prefix}:acc"
+    stale, owner = old.acceptance_log(prefix=log_prefix), new.acceptance_log(prefix=log_prefix)
+    with pytest.raises(LeaseLostError):
+        record_call(stale, "run-o", "llm", 0, 9, gen)
+    assert not queue.client.exists(calls_key(owner, "run-o")) and owner.length("run-o") == 0
+    assert record_call(owner, "run-o", "llm", 0, 9, gen)
+    assert not record_call(owner, "run-o", "llm", 0, 9, gen)  # the node re-ran after an interrupt
+    plain = AcceptanceLog(queue.client, prefix=log_prefix)
+    entries = plain.read("run-o")
+    assert [(e.kind, e.step_id) for e in entries] == [("call", 0), ("step", 1)]
+    assert entries[0].tokens == (5, 6, 7) and {a for _, a in entry_attempts(plain, "run-o")} == {new.token}
 
 
 def _worker(queue: RunQueue, execute: Any, **kw: Any) -> QueueWorker:
@@ -278,8 +324,18 @@ def test_delivery_payload_roundtrip(queue: RunQueue) -> None:
 
 def test_worker_cli_rejects_bad_flags() -> None:
     elesium = str(Path(sys.executable).parent / "elesium")
-    proc = subprocess.run([elesium, "worker", "--concurrency", "0",
-                           "--redis-url", f"redis://127.0.0.1:1/{uuid.uuid4().int % 10}"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            elesium,
+            "worker",
+            "--concurrency",
+            "0",
+            "--redis-url",
+            f"redis://127.0.0.1:1/{uuid.uuid4().int % 10}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "elesium: error: --concurrency must be >= 1, got 0"

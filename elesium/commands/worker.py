@@ -74,6 +74,15 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger("elesium").handlers:  # the CLI may already route elesium's logs to stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     factory = _factory(args.executor)
+
+    def before_start(signum: int, _frame: Any) -> None:
+        # A stop while the engine still loads: nothing is claimed yet, so exit cleanly at once.
+        print("elesium worker: stopped before it started (0 runs finished, 0 handed back)",
+              file=sys.stderr, flush=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, before_start)
+    signal.signal(signal.SIGINT, before_start)
     queue = RunQueue.from_url(args.redis_url, prefix=args.prefix, name=args.queue,
                               lease_ttl_ms=int(args.lease_ttl * 1000), max_attempts=args.max_attempts)
     execute = factory(args, queue)
