@@ -562,6 +562,21 @@ class RunQueue:
                                            start_id="0-0", count=count)
         return self._deliveries(reply[1] if len(reply) > 1 else [])
 
+    def prune_consumers(self, idle_ms: int) -> list[str]:
+        """Remove the group's consumers idle for ``idle_ms`` with nothing pending: workers that exited
+        (each process registers its own name, so they would accumulate forever). A consumer with
+        pending entries is never removed (``DELCONSUMER`` would drop them): ``XAUTOCLAIM`` moves those
+        to live workers first, after which a later prune removes the empty consumer."""
+        self.ensure_group()
+        removed: list[str] = []
+        with self._guard():
+            for info in self.client.xinfo_consumers(self.stream_key, GROUP):
+                name = _text(info.get("name", b""))
+                if int(info.get("pending", 0)) == 0 and int(info.get("idle", 0)) >= idle_ms:
+                    self.client.xgroup_delconsumer(self.stream_key, GROUP, name)
+                    removed.append(name)
+        return removed
+
     def claim(self, delivery: Delivery, worker_id: str) -> Lease | str:
         """Try to start ``delivery``: a :class:`Lease` with a fresh fencing token, or why not:
         "done:<status>" (already finished, or just cancelled/failed: acknowledge it) or "busy"

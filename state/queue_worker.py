@@ -5,7 +5,8 @@ Used by ``elesium worker`` and, in-process, by ``elesium serve`` (the single-mac
 calls itself; the other steps of other runs overlap them), plus:
 
 * a fetch loop: new entries (``XREADGROUP``) and, every half lease, entries whose worker died
-  (``XAUTOCLAIM``), only while a slot is free, so a busy worker never hoards runs;
+  (``XAUTOCLAIM``), only while a slot is free, so a busy worker never hoards runs; every ten leases
+  it also removes consumer names of exited workers (idle 20 leases, nothing pending);
 * a heartbeat thread: every ``lease_ttl / 4`` (at most 0.5 s) it renews each held lease and resets its
   entry's idle time, and turns what it learns into flags :meth:`Lease.check` raises on: lease lost, cancel
   requested (from any machine, through Redis), per-run timeout passed;
@@ -134,8 +135,14 @@ class QueueWorker:
         return 0 if self._stopping.is_set() else self.concurrency - self.in_flight()
 
     def _fetch_loop(self) -> None:
-        next_reclaim = 0.0
+        next_reclaim = next_prune = 0.0
         while not self._stopping.is_set():
+            if time.monotonic() >= next_prune:  # exited workers' consumer names, idle for 20 lease TTLs
+                next_prune = time.monotonic() + self.queue.lease_ttl_ms * 10 / 1000
+                try:
+                    self.queue.prune_consumers(self.queue.lease_ttl_ms * 20)
+                except StateError:
+                    pass
             free = self._free()
             if free <= 0:
                 time.sleep(0.02)
