@@ -169,6 +169,7 @@ class QueueWorker:
                 self.queue.ack(delivery.entry_id)
             return  # "busy": the owner is alive; it acknowledges the entry when it finishes
         lease = claimed
+        log.info("run %s: claimed (attempt %d, token %d)", lease.run_id, lease.attempt, lease.token)
         with self._lock:
             try:
                 future = self._pool.submit(self._run, lease)
@@ -220,6 +221,7 @@ class QueueWorker:
             try:
                 if self.queue.finish(lease, status, error):
                     self.completed += 1
+                    log.info("run %s: %s%s", lease.run_id, status, f" ({error})" if error else "")
                 return
             except RedisUnavailableError:
                 continue  # the outcome is re-derived from the checkpoint by whoever reclaims it

@@ -108,7 +108,8 @@ def _crash_flow(url: str, baseline: dict[str, dict[str, Any]], n: int, log_dir: 
     assert queue.pending_count() == 0 and queue.client.xlen(queue.stream_key) == 0
     for r in ids:
         got = snapshot(queue.client, root, r)
-        assert got["steps"] == STEPS, (r, got["steps"])  # no step lost, none repeated
+        # No step lost, none repeated (on failure: who ran it, how often, and the workers' logs).
+        assert got["steps"] == STEPS, (r, got["steps"], states[r], a.log()[-1500:], b.log()[-1500:])
         assert got["history"] == baseline[r]["history"], r
         assert got["final"]["draft_ids"] == baseline[r]["final"]["draft_ids"], r
         assert got["final"]["refine_ids"] == baseline[r]["final"]["refine_ids"], r
