@@ -106,17 +106,7 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
     target = describe(url)
     worker = EngineWorker()
     metrics = Metrics(queue_depth=lambda: worker.depth)
-    saver = RedisSaver(client, target=target)
-    original_put = saver.put
-
-    def timed_put(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return original_put(*args, **kwargs)
-        finally:
-            metrics.checkpoint_latency.observe(time.perf_counter() - t0)
-
-    saver.put = timed_put  # type: ignore[method-assign]
+    saver = metrics.timed_checkpoints(RedisSaver(client, target=target))
     events = RunEvents(client, target=target)
     return Services(
         settings=settings,

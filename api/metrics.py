@@ -6,6 +6,7 @@ Speculative-decoding counters follow vLLM's names (``vllm:spec_decode_num_drafts
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -69,3 +70,17 @@ class Metrics:
             for pos, ok in enumerate(getattr(s, "accepted_by_depth", ()), start=1):
                 if ok:
                     self.accepted_per_pos.labels(position=str(pos)).inc()
+
+    def timed_checkpoints(self, saver: Any) -> Any:
+        """``saver`` with each checkpoint ``put`` timed into ``elesium_checkpoint_write_seconds``."""
+        original_put = saver.put
+
+        def timed_put(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original_put(*args, **kwargs)
+            finally:
+                self.checkpoint_latency.observe(time.perf_counter() - t0)
+
+        saver.put = timed_put
+        return saver

@@ -93,7 +93,7 @@ class ApiRunExecutor:
         tap = rp.TappedEngine(svc.engine, cancelled=cancelled,
                               on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
         modes = row.request.get("stream_mode") or ["values"]
-        graph = wf.build(lease.saver())
+        graph = wf.build(svc.metrics.timed_checkpoints(lease.saver()))
         resuming = _resuming(graph, row.thread_id, run_id)
         config = rp.run_config(
             row.thread_id, run_id, row.seed, row.tenant, tap,
