@@ -1,9 +1,11 @@
-"""Per-run event channels: the worker thread appends, any number of async readers follow.
+"""Per-run event channels: a producer thread appends (the event pump relaying a queued run's Redis events,
+or the engine thread for a chat completion), any number of async readers follow.
 
-A run's events (metadata, values, updates, messages, end) are kept for the life of the process so that
-``join``, a late ``GET .../stream`` and the original streaming request all see the same sequence from
-the start. The producer is the engine thread, the consumers are coroutines on the event loop, so
-appends wake readers through ``loop.call_soon_threadsafe``.
+A channel keeps its run's events (metadata, values, updates, messages, end) from the first one, so that
+``join``, a late ``GET .../stream`` and the original streaming request all see the same sequence; ended
+channels are dropped after 10 minutes (a queued run's events stay in Redis for an hour). The producer
+is a thread, the consumers are coroutines on the event loop, so appends wake readers through
+``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations

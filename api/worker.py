@@ -1,4 +1,7 @@
-"""The engine's own thread: every generation and graph run, one at a time, in arrival order.
+"""The engine's own thread for what is not a queued run (chat completions, replays), in arrival order.
+
+Queued workflow runs execute on queue worker threads (:mod:`elesium.api.run_executor`); both end up in
+the same engine, which decodes one sequence at a time behind its FIFO gate.
 
 The model runs on one engine that generates one sequence at a time, and a generation is CPU-bound for
 seconds; on the event loop it would freeze health checks, listings and every open SSE stream. So the
