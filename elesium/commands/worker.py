@@ -60,6 +60,18 @@ def _factory(spec: str) -> Callable[[argparse.Namespace, Any], Any]:
     return factory
 
 
+def _log_claims() -> None:
+    """A worker is a service: each claim and outcome goes to stderr at INFO, with a timestamp, so an
+    operator (or a failing crash test) can tell which process ran what and when. The CLI's own
+    handler is reused when present (``elesium -v`` already logs everything at INFO)."""
+    root = logging.getLogger("elesium")
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter("%(asctime)s elesium worker %(levelname)s: %(message)s"))
+    logging.getLogger("elesium.worker").setLevel(logging.INFO)
+
+
 def run(args: argparse.Namespace) -> int:
     from elesium.cli import CliError
     from elesium.state.queue import RunQueue
@@ -71,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--lease-ttl must be >= 0.5 seconds, got {args.lease_ttl}")
     if args.grace < 0:
         raise CliError(f"--grace must be >= 0 seconds, got {args.grace}")
-    if not logging.getLogger("elesium").handlers:  # the CLI may already route elesium's logs to stderr
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_claims()
     factory = _factory(args.executor)
 
     def before_start(signum: int, _frame: Any) -> None:
