@@ -1,8 +1,10 @@
 """Per-node calibrations against the global tree policy, on the shipped workflows (BENCHMARKS.md).
 
 For each shipped workflow: ``--learn`` runs with online self-tuning on (each succeeded run folds its
-acceptance into its nodes' counters and publishes a new calibration version when the estimate moves
-materially), then ``--measure`` held-out inputs, each run twice back to back in one process, once
+acceptance into its nodes' counters; where the estimate moves materially a new version goes on trial
+against the current one, runs alternate between the two, and the trial version is promoted only if
+it wins on the profile's cost curve), then ``--measure`` held-out inputs (never learnt from), each
+run twice back to back in one process, once
 with the global policy and once with the per-node calibrations (frozen), the order alternating. Per
 node we report the median over the measured runs of tau (tokens per tree step) and of decode
 tokens/s (tokens committed by tree steps over their summed wall time, from the acceptance log), and
@@ -123,12 +125,37 @@ INCIDENTS = [
 ]
 
 
-def inputs(workflow: str) -> list[dict[str, Any]]:
+# Held-out inputs: measured only, never folded into a calibration.
+HELDOUT_TICKETS = [
+    ("SSO login loops back to the start page", "After the IdP change our users are redirected in a loop.",
+     "Acme Corp"),
+    ("Refund not received", "The refund for order 55120 promised two weeks ago has not arrived.", None),
+    ("Search returns no results", "Searching for any product name returns an empty list since this morning.",
+     "Globex"),
+    ("Add a second admin", "How do we give admin rights to a second person on our account?", "Initech"),
+]
+HELDOUT_EXPENSES = [
+    ("Kira Sato", 64.0, "EUR", "meals", "Working dinner with the vendor's engineers."),
+    ("Liam Byrne", 3200.0, "USD", "travel", "Business-class flight to the Tokyo customer visit."),
+    ("Mona Aziz", 15.5, "GBP", "office", "USB cables for the meeting room."),
+    ("Nils Holm", 780.0, "EUR", "training", "Two-day workshop on incident management."),
+]
+HELDOUT_INCIDENTS = [
+    ("queue-broker", "ERROR consumer lag 250000 messages on topic orders\nWARN broker disk 91%"),
+    ("login-web", "ERROR 503 from upstream auth\nERROR 503 from upstream auth\nINFO autoscaler added 2 pods"),
+    ("scheduler", "WARN job nightly-sync missed its window\nERROR lock held by dead worker"),
+    ("image-resizer", "ERROR out of memory resizing 12000x9000 image\nINFO worker restarted"),
+]
+
+
+def inputs(workflow: str, held_out: bool = False) -> list[dict[str, Any]]:
     if workflow == "ticket-triage":
-        return [{"subject": s, "body": b, **({"customer": c} if c else {})} for s, b, c in TICKETS]
+        rows = HELDOUT_TICKETS if held_out else TICKETS
+        return [{"subject": s, "body": b, **({"customer": c} if c else {})} for s, b, c in rows]
     if workflow == "expense-approval":
-        return [dict(zip(("employee", "amount", "currency", "category", "description"), e)) for e in EXPENSES]
-    return [{"service": s, "logs": lg} for s, lg in INCIDENTS]
+        rows = HELDOUT_EXPENSES if held_out else EXPENSES
+        return [dict(zip(("employee", "amount", "currency", "category", "description"), e)) for e in rows]
+    return [{"service": s, "logs": lg} for s, lg in (HELDOUT_INCIDENTS if held_out else INCIDENTS)]
 
 
 def run_once(runner: WorkflowRunner, workflow: str, payload: dict[str, Any], seed: int) -> tuple[Any, float]:
@@ -258,13 +285,21 @@ def main() -> int:
                     f"{runner.runs.get(result.run_id).calibrations}",
                     flush=True,
                 )
-            published = {
-                n: runner.calibrator.current(workflow, n) for n in runner.calibrator.store.nodes(workflow)
-            }
-            runner.calibrator.learn = False  # frozen while measuring: both arms see fixed policies
+            store = runner.calibrator.store
+            published = {n: runner.calibrator.current(workflow, n) for n in store.nodes(workflow)}
+            verdicts = {n: store.decisions(workflow, n) for n in store.nodes(workflow)}
+            open_trials = {n: t for n in store.nodes(workflow) if (t := store.trial(workflow, n))}
+            print(f"[{workflow}] current {({n: v[0] for n, v in published.items()})}; verdicts "
+                  f"{({n: [(d['trial'], d['verdict']) for d in v] for n, v in verdicts.items()})}; "
+                  f"trials still open {open_trials}", flush=True)
+            # Frozen while measuring: both arms see fixed policies, and the per-node arm runs each
+            # node's current version (an undecided trial is not measured as if adopted).
+            runner.calibrator.learn = False
+            rule, runner.calibrator.rule = runner.calibrator.rule, None
+            held_out = inputs(workflow, held_out=True)
             arms: dict[str, list[dict[str, Any]]] = {"global": [], "node": []}
             for j in range(args.measure):
-                payload = data[(args.learn + j) % len(data)]
+                payload = held_out[j % len(held_out)]
                 order = ["global", "node"] if j % 2 == 0 else ["node", "global"]
                 for arm in order:
                     runner.calibrator.use = arm == "node"
@@ -295,7 +330,10 @@ def main() -> int:
                     }
                 label, calib = published.get(node, ("global", None))
                 row["calibration"] = {"version": label, **(calib.to_dict() if calib else {})}
+                row["verdicts"] = verdicts.get(node, [])
+                row["open_trial"] = open_trials.get(node)
                 table[node] = row
+            runner.calibrator.rule = rule
             results["workflows"][workflow] = {
                 "nodes": table,
                 "wall_s": {arm: statistics.median(r["wall_s"] for r in runs) for arm, runs in arms.items()},

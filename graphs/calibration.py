@@ -5,9 +5,18 @@
 engine's global policy (:func:`node_policy`); the run pins that version for the node, records it in
 its run record (``calibrations``: node -> ``v<n>`` or ``global``) and keeps using it for every
 call of the node, across interrupts and resumes. When the run succeeds, its acceptance entries are
-folded into each node's counters and a new version is published where the estimate moved
-materially (:meth:`NodeCalibrator.fold_run`). ``elesium tune --from-log`` rebuilds all of it from
-the stored runs (:meth:`NodeCalibrator.rebuild`).
+folded into each node's counters (:meth:`NodeCalibrator.fold_run`).
+
+A new estimate is never adopted on faith. The first benchmark (BENCHMARKS.md section 9) showed why:
+a factor that matches the heads' predictions to what a node accepts can still build trees that cost
+more than they return on the machine's cost curve. So where the estimate moved materially, the new
+version goes *on trial*: the node's runs alternate between it and the current version, each arm's
+steps are counted apart, and once both arms have :class:`TrialRule`'s evidence the trial version is
+promoted only if its tokens per unit of modeled forward time (the profile's cost curve, which the
+machine's load does not distort) are at least the incumbent's; otherwise it is rejected and the
+node keeps what it had. A rejected estimate is not retried until the evidence moves it materially
+again. ``elesium tune --from-log`` rebuilds the counters from the stored runs and starts a trial the
+same way (:meth:`NodeCalibrator.rebuild`; ``adopt=True`` publishes directly, an operator override).
 
 Determinism: a seeded sampled call's tokens depend on its trees, so a run's tokens are a function
 of (workflow version, input, seed, engine fingerprint, calibration versions). Re-executing a run
@@ -17,9 +26,10 @@ newer calibrations were published.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from elesium.errors import UserError
@@ -44,8 +54,27 @@ class CalibrationNotFoundError(UserError, LookupError):
 
 
 @dataclass(frozen=True)
+class TrialRule:
+    """When a trial is decided, and how.
+
+    ``min_steps`` tree steps and ``min_calls`` LLM calls in each arm; then the trial version wins if its
+    efficiency is at least ``1 + margin`` times the incumbent's (a small positive margin keeps a
+    version that is only as good as the incumbent from churning the run records).
+    """
+
+    min_steps: int = 24
+    min_calls: int = 3
+    margin: float = 0.0
+
+
+@dataclass(frozen=True)
 class CalibrationRow:
-    """One node's line of the before/after table of a rebuild (or of an online update)."""
+    """One node's line of the before/after table of a rebuild (or of an online update).
+
+    ``after`` is the version new runs start from (the current one); ``trial`` the version on trial
+    after this update, if any; ``event`` what happened: "unchanged", "trial", "promoted",
+    "rejected" or "adopted" (published directly).
+    """
 
     workflow: str
     node: str
@@ -54,6 +83,19 @@ class CalibrationRow:
     stats: dict[str, Any]
     old: NodeCalibration | None
     new: NodeCalibration | None
+    trial: str | None = None
+    event: str = "unchanged"
+    verdict: dict[str, Any] = field(default_factory=dict)
+
+
+def efficiency(stats: NodeStats, cost: Callable[[int], float] | None) -> float:
+    """Tokens per unit of forward time over the node's tree steps: with ``cost`` (the profile's cost
+    curve: time per verify forward by tree size) the time is modeled, which the machine's load does
+    not move; without it, the measured decode time."""
+    if cost is None:
+        return stats.tokens_per_s
+    modeled = sum(count * cost(size) for size, count in stats.sizes.items())
+    return stats.tokens / modeled if modeled > 0 else 0.0
 
 
 class NodeCalibrator:
@@ -67,16 +109,22 @@ class NodeCalibrator:
         use: start nodes from their current calibration (False: the global policy, still recorded).
         learn: fold finished runs and publish new versions.
         bounds: how far a node may move from the global policy.
+        rule: when a trial is decided (None: adopt new estimates directly, the behaviour before trials).
+        cost: the engine's cost curve (time of a verify forward by tree size) that trials compare
+            arms on; None: measured decode time.
     """
 
     def __init__(self, store: CalibrationStore, log: AcceptanceLog, *, runs: Any = None, use: bool = True,
-                 learn: bool = True, bounds: CalibrationBounds = CalibrationBounds()) -> None:
+                 learn: bool = True, bounds: CalibrationBounds = CalibrationBounds(),
+                 rule: TrialRule | None = TrialRule(), cost: Callable[[int], float] | None = None) -> None:
         self.store = store
         self.log = log
         self.runs = runs
         self.use = use
         self.learn = learn
         self.bounds = bounds
+        self.rule = rule
+        self.cost = cost
 
     # -- choosing ---------------------------------------------------------------------------------
     def calibration(self, workflow: str, node: str, label: str) -> NodeCalibration | None:
@@ -92,10 +140,21 @@ class NodeCalibrator:
 
     def choose(self, base: TreePolicy, workflow: str, node: str,
                pinned: str | None) -> tuple[str, TreePolicy | None]:
-        """(version label, policy to decode with; None = the engine's own) for one call of ``node``."""
+        """(version label, policy to decode with; None = the engine's own) for one call of ``node``.
+
+        While a version is on trial, successive runs alternate between it and the current one (the
+        run records which it got, so re-execution is unaffected)."""
         if base.kind != "dynamic":
             return GLOBAL, None
-        label = pinned or (self.store.current(workflow, node) if self.use else GLOBAL)
+        if pinned:
+            label = pinned
+        elif not self.use:
+            label = GLOBAL
+        else:
+            label = self.store.current(workflow, node)
+            trial = self.store.trial(workflow, node) if self.rule is not None else None
+            if trial is not None and self.store.next_turn(workflow, node) % 2 == 1:
+                label = trial
         calib = self.calibration(workflow, node, label)
         return label, None if calib is None else apply(base, calib)
 
@@ -104,35 +163,103 @@ class NodeCalibrator:
         label = self.store.current(workflow, node)
         return label, self.calibration(workflow, node, label)
 
-    def _update(self, workflow: str, node: str, source: str) -> CalibrationRow:
+    def _rejected(self, workflow: str, node: str) -> NodeCalibration | None:
+        """The policy of the node's last rejected trial (not proposed again until the estimate moves)."""
+        for verdict in reversed(self.store.decisions(workflow, node)):
+            if verdict.get("verdict") == "rejected":
+                doc = self.store.get(workflow, node, verdict["trial"])
+                return None if doc is None else NodeCalibration.from_dict(doc["policy"])
+        return None
+
+    def _judge(self, workflow: str, node: str, trial: str, row: CalibrationRow) -> CalibrationRow:
+        """Decide ``trial`` once both arms have the rule's evidence; else report it still running."""
+        assert self.rule is not None
+        doc = self.store.get(workflow, node, trial) or {}
+        incumbent = str(doc.get("previous", GLOBAL))
+        arms = {label: NodeStats.from_counters(self.store.counters(workflow, node, arm=label))
+                for label in (trial, incumbent)}
+        ready = all(a.steps >= self.rule.min_steps and a.calls >= self.rule.min_calls for a in arms.values())
+        if not ready:
+            return dataclasses.replace(row, trial=trial, event="trial")
+        eff = {label: efficiency(a, self.cost) for label, a in arms.items()}
+        promote = eff[trial] >= (1.0 + self.rule.margin) * eff[incumbent]
+        verdict = {"efficiency": {k: round(v, 6) for k, v in eff.items()},
+                   "tau": {k: round(a.tau, 4) for k, a in arms.items()},
+                   "steps": {k: a.steps for k, a in arms.items()},
+                   "calls": {k: a.calls for k, a in arms.items()},
+                   "modeled": self.cost is not None}
+        if not self.store.decide(workflow, node, trial, incumbent, promote, verdict):
+            return dataclasses.replace(row, trial=self.store.trial(workflow, node))  # decided elsewhere
+        after, new = self.current(workflow, node)
+        log.info("calibration %s of %s/%s %s: efficiency %.4g against %s's %.4g", trial, workflow, node,
+                 "promoted" if promote else "rejected", eff[trial], incumbent, eff[incumbent])
+        return dataclasses.replace(row, after=after, new=new, trial=None,
+                                   event="promoted" if promote else "rejected", verdict=verdict)
+
+    def _update(self, workflow: str, node: str, source: str, *, adopt: bool = False) -> CalibrationRow:
         stats = NodeStats.from_counters(self.store.counters(workflow, node))
         before, old = self.current(workflow, node)
+        row = CalibrationRow(workflow, node, before, before, stats.summary(), old, old)
+        if not self.learn:
+            return row
+        trial = self.store.trial(workflow, node)
+        if trial is not None and adopt:  # an operator's adoption ends the trial undecided
+            doc = self.store.get(workflow, node, trial) or {}
+            self.store.decide(workflow, node, trial, str(doc.get("previous", GLOBAL)), False,
+                              {"reason": "superseded by an adopted version"})
+        elif trial is not None and self.rule is not None:
+            return self._judge(workflow, node, trial, row)
         new = derive(stats, self.bounds)
-        after = before
-        if self.learn and material_change(old, new):
-            assert new is not None
-            after = self.store.publish(workflow, node, {
-                "policy": new.to_dict(), "stats": stats.summary(), "source": source, "previous": before,
-                "runs": self.store.folded_runs(workflow, node)})
-        return CalibrationRow(workflow, node, before, after, stats.summary(), old,
-                              new if after != before else old)
+        if not material_change(old, new):
+            return row
+        assert new is not None
+        on_trial = self.rule is not None and not adopt
+        if on_trial and not material_change(self._rejected(workflow, node), new):
+            return row  # the same estimate lost its trial already
+        label = self.store.publish(workflow, node, {
+            "policy": new.to_dict(), "stats": stats.summary(), "source": source, "previous": before,
+            "runs": self.store.folded_runs(workflow, node)}, trial=on_trial)
+        if on_trial:
+            return dataclasses.replace(row, new=new, trial=label, event="trial")
+        return dataclasses.replace(row, after=label, new=new, event="adopted")
 
-    def fold_run(self, workflow: str, run_id: str) -> list[CalibrationRow]:
-        """Fold a finished run's acceptance into its nodes' counters; publish where it moved materially.
+    def _label_of(self, run_id: str, node: str, labels: Mapping[str, str] | None) -> str | None:
+        if labels is not None:
+            return labels.get(node)
+        record = self.runs.get(run_id) if self.runs is not None else None
+        return None if record is None else record.calibrations.get(node)
 
-        Idempotent per run. Vanilla calls carry no tree evidence: a node only ever decoded in vanilla
-        mode gets no calibration.
+    def _arm(self, workflow: str, node: str, label: str | None) -> str | None:
+        """The trial arm a run's evidence also counts for: its label, if it is one of the trial's two."""
+        if self.rule is None or label is None:
+            return None
+        trial = self.store.trial(workflow, node)
+        if trial is None:
+            return None
+        doc = self.store.get(workflow, node, trial) or {}
+        return label if label in (trial, str(doc.get("previous", GLOBAL))) else None
+
+    def fold_run(self, workflow: str, run_id: str,
+                 labels: Mapping[str, str] | None = None) -> list[CalibrationRow]:
+        """Fold a finished run's acceptance into its nodes' counters (and a running trial's arm);
+        start, continue or decide trials.
+
+        ``labels``: the version each node used (default: from the run record, when the calibrator
+        has the registry). Idempotent per run. Vanilla calls carry no tree evidence: a node only
+        ever decoded in vanilla mode gets no calibration.
         """
         rows = []
         for node, stats in stats_by_node(self.log.iter_entries(run_id)).items():
             if not stats.steps:
                 continue
-            if self.store.fold(workflow, node, run_id, stats.to_counters()) and self.learn:
+            arm = self._arm(workflow, node, self._label_of(run_id, node, labels))
+            if self.store.fold(workflow, node, run_id, stats.to_counters(), arm=arm) and self.learn:
                 rows.append(self._update(workflow, node, f"run {run_id}"))
         return rows
 
-    def rebuild(self, workflow: str, run_ids: list[str]) -> list[CalibrationRow]:
-        """Recount every node of ``workflow`` from the given runs' logs, then publish where it moved."""
+    def rebuild(self, workflow: str, run_ids: list[str], *, adopt: bool = False) -> list[CalibrationRow]:
+        """Recount every node of ``workflow`` from the given runs' logs; where the estimate moved,
+        start a trial (``adopt``: publish it as current at once, skipping the trial)."""
         per_node: dict[str, dict[str, NodeStats]] = {}
         for run_id in run_ids:
             for node, stats in stats_by_node(self.log.iter_entries(run_id)).items():
@@ -144,7 +271,7 @@ class NodeCalibrator:
         for node in sorted(per_node):
             for run_id, stats in per_node[node].items():
                 self.store.fold(workflow, node, run_id, stats.to_counters())
-            rows.append(self._update(workflow, node, "tune --from-log"))
+            rows.append(self._update(workflow, node, "tune --from-log", adopt=adopt))
         return rows
 
 

@@ -112,8 +112,10 @@ class WorkflowRunner:
         self.log = AcceptanceLog.from_url(url, prefix=f"{prefix}:acc", retention=Retention(maxlen=None))
         # Per-node tree calibrations (graphs/calibration.py): used by tree-decoding nodes, learnt from
         # runs that succeed. Set .use / .learn False for the global policy / a frozen calibration.
+        # Trials compare arms on the engine's own cost curve (read at decision time: a re-tuned
+        # engine's curve is the one that matters).
         self.calibrator = NodeCalibrator(CalibrationStore.from_url(url, prefix=f"{prefix}:calib"), self.log,
-                                         runs=self.runs)
+                                         runs=self.runs, cost=lambda n: self.engine.policy.cost(n))
 
     def workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
         return workflow if isinstance(workflow, Workflow) else self.registry.get(workflow, version)

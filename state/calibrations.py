@@ -10,7 +10,16 @@ start from. Keys, one cluster slot per node (``{workflow:node}`` is the hash tag
     <prefix>:{<workflow>:<node>}:seq       last version number handed out
     <prefix>:{<workflow>:<node>}:stats     hash of acceptance counters (HINCRBYFLOAT)
     <prefix>:{<workflow>:<node>}:runs      set of run ids already folded into the counters
+    <prefix>:{<workflow>:<node>}:trial     n of the version on trial (absent: none)
+    <prefix>:{<workflow>:<node>}:arm:<label>  counters of the runs that used <label> during the trial
+    <prefix>:{<workflow>:<node>}:turns     alternation counter: which arm the next run takes
+    <prefix>:{<workflow>:<node>}:decisions list of JSON trial verdicts (promoted / rejected, with figures)
     <prefix>:nodes:<workflow>              set of the workflow's calibrated node names
+
+A derived version is not adopted on its estimate alone: it is published *on trial* and runs of the
+node alternate between it and the current version until both arms have enough evidence; then it is
+promoted (``current`` moves to it) or rejected, one script each, so a half-made decision is never
+visible.
 
 Folding a run is one script per node: the run joins the ``runs`` set and its counters are added
 only if it was not there yet, so a retried fold (a worker restart, ``tune --from-log`` racing a
@@ -32,19 +41,33 @@ from elesium.state.errors import translate_errors
 DEFAULT_PREFIX = "elesium:calib"
 GLOBAL = "global"  # the label a run records for a node that used the engine's own policy
 
-# KEYS: runs set, stats hash. ARGV: run id, then field/increment pairs. Returns 1 when folded.
+# KEYS: runs set, stats hash[, arm stats hash]. ARGV: run id, then field/increment pairs. Returns 1
+# when folded. The arm hash (a trial's per-arm counters) gets the same increments.
 _FOLD = r"""
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i], ARGV[i + 1])
+  if KEYS[3] then redis.call('HINCRBYFLOAT', KEYS[3], ARGV[i], ARGV[i + 1]) end
+end
 return 1
 """
 
-# KEYS: seq, current. ARGV: version-key prefix, document. Returns the new version number.
+# KEYS: seq, pointer (current or trial). ARGV: version-key prefix, document. Returns the new number.
 _PUBLISH = r"""
 local n = redis.call('INCR', KEYS[1])
 if not redis.call('SET', ARGV[1] .. n, ARGV[2], 'NX') then return redis.error_reply('version exists') end
 redis.call('SET', KEYS[2], n)
 return n
+"""
+
+# KEYS: trial, current, decisions, turns, the two arms' counters. ARGV: n, "promote" | "reject",
+# verdict JSON. Returns 1 when decided now, 0 when n was no longer on trial (decided elsewhere first).
+_DECIDE = r"""
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == 'promote' then redis.call('SET', KEYS[2], ARGV[1]) end
+redis.call('DEL', KEYS[1], KEYS[4], KEYS[5], KEYS[6])
+redis.call('RPUSH', KEYS[3], ARGV[3])
+return 1
 """
 
 
@@ -74,6 +97,7 @@ class CalibrationStore:
         self._target = target
         self._fold = client.register_script(_FOLD)
         self._publish = client.register_script(_PUBLISH)
+        self._decide = client.register_script(_DECIDE)
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> CalibrationStore:
@@ -90,20 +114,27 @@ class CalibrationStore:
         return translate_errors(f"the calibration keys {what}", self._target)
 
     # -- counters -------------------------------------------------------------------------------
-    def fold(self, workflow: str, node: str, run_id: str, counters: Mapping[str, float]) -> bool:
-        """Add one run's counters to the node's, once per run; True when they were added now."""
+    def fold(self, workflow: str, node: str, run_id: str, counters: Mapping[str, float],
+             arm: str | None = None) -> bool:
+        """Add one run's counters to the node's, once per run; True when they were added now.
+
+        ``arm``: the version label the run used, when a trial is running; its counters get the same
+        increments, in the same script, so an arm never counts a run the node's total does not.
+        """
         base = self._node(workflow, node)
         args: list[Any] = [run_id]
         for k, v in counters.items():
             args += [k, repr(float(v))]
+        keys = [f"{base}:runs", f"{base}:stats"] + ([f"{base}:arm:{arm}"] if arm else [])
         with self._guard(base):
             self.client.sadd(self._nodes_key(workflow), node)
-            return bool(self._fold(keys=[f"{base}:runs", f"{base}:stats"], args=args))
+            return bool(self._fold(keys=keys, args=args))
 
-    def counters(self, workflow: str, node: str) -> dict[str, float]:
+    def counters(self, workflow: str, node: str, arm: str | None = None) -> dict[str, float]:
+        """The node's counters, or one trial arm's (``arm``: a version label or ``global``)."""
         base = self._node(workflow, node)
         with self._guard(base):
-            raw = self.client.hgetall(f"{base}:stats")
+            raw = self.client.hgetall(f"{base}:arm:{arm}" if arm else f"{base}:stats")
         return {k.decode(): float(v) for k, v in raw.items()}
 
     def folded_runs(self, workflow: str, node: str) -> int:
@@ -112,26 +143,66 @@ class CalibrationStore:
             return int(self.client.scard(f"{base}:runs"))
 
     def reset_counters(self, workflow: str, node: str) -> None:
-        """Forget the node's counters and folded runs (a rebuild folds the log again); versions stay."""
+        """Forget the node's counters and folded runs (a rebuild folds the log again); versions and
+        verdicts stay, and a running trial starts its comparison afresh."""
         base = self._node(workflow, node)
+        labels = {GLOBAL, self.current(workflow, node), self.trial(workflow, node) or GLOBAL}
         with self._guard(base):
-            self.client.delete(f"{base}:stats", f"{base}:runs")
+            self.client.delete(f"{base}:stats", f"{base}:runs", f"{base}:turns",
+                               *(f"{base}:arm:{label}" for label in labels))
 
     def nodes(self, workflow: str) -> list[str]:
         with self._guard(self._nodes_key(workflow)):
             return sorted(m.decode() for m in self.client.smembers(self._nodes_key(workflow)))
 
     # -- versions -------------------------------------------------------------------------------
-    def publish(self, workflow: str, node: str, document: Mapping[str, Any]) -> str:
-        """Store a new immutable version and point ``current`` at it; returns its label (``v<n>``)."""
+    def publish(self, workflow: str, node: str, document: Mapping[str, Any], *, trial: bool = False) -> str:
+        """Store a new immutable version and point ``current`` (or, with ``trial``, ``trial``) at it;
+        returns its label (``v<n>``). Starting a trial replaces any trial still running."""
         base = self._node(workflow, node)
         doc = {**document, "workflow": workflow, "node": node,
                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         with self._guard(base):
             self.client.sadd(self._nodes_key(workflow), node)
-            n = int(self._publish(keys=[f"{base}:seq", f"{base}:current"],
+            if trial:
+                self.client.delete(f"{base}:turns")
+            n = int(self._publish(keys=[f"{base}:seq", f"{base}:trial" if trial else f"{base}:current"],
                                   args=[f"{base}:v", json.dumps(doc, sort_keys=True)]))
         return f"v{n}"
+
+    def trial(self, workflow: str, node: str) -> str | None:
+        """The label of the version on trial, or None."""
+        base = self._node(workflow, node)
+        with self._guard(base):
+            raw = self.client.get(f"{base}:trial")
+        return None if raw is None else f"v{int(raw)}"
+
+    def next_turn(self, workflow: str, node: str) -> int:
+        """1, 2, 3, ... for successive runs choosing during a trial (odd: the trial's arm)."""
+        base = self._node(workflow, node)
+        with self._guard(base):
+            return int(self.client.incr(f"{base}:turns"))
+
+    def decide(self, workflow: str, node: str, trial: str, incumbent: str, promote: bool,
+               verdict: Mapping[str, Any]) -> bool:
+        """End ``trial``: promote it to current or reject it, recording ``verdict``; clears both arms'
+        counters. False when ``trial`` was not (or no longer) on trial."""
+        base = self._node(workflow, node)
+        doc = {**verdict, "trial": trial, "incumbent": incumbent,
+               "verdict": "promoted" if promote else "rejected",
+               "decided": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        with self._guard(base):
+            return bool(int(self._decide(
+                keys=[f"{base}:trial", f"{base}:current", f"{base}:decisions", f"{base}:turns",
+                      f"{base}:arm:{trial}", f"{base}:arm:{incumbent}"],
+                args=[parse_label(trial), "promote" if promote else "reject",
+                      json.dumps(doc, sort_keys=True)])))
+
+    def decisions(self, workflow: str, node: str) -> list[dict[str, Any]]:
+        """The node's trial verdicts, oldest first."""
+        base = self._node(workflow, node)
+        with self._guard(base):
+            return [json.loads(raw) for raw in self.client.lrange(f"{base}:decisions", 0, -1)]
 
     def current(self, workflow: str, node: str) -> str:
         """The label new runs of this node use: ``v<n>``, or :data:`GLOBAL` when none is published."""

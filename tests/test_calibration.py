@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from elesium.cli import main as cli_main
 from elesium.graphs import Registry, Workflow, WorkflowRunner, llm_node
 from elesium.graphs.audit import call_tokens
-from elesium.graphs.calibration import CalibrationNotFoundError, NodeCalibrator, reexecute
+from elesium.graphs.calibration import CalibrationNotFoundError, NodeCalibrator, TrialRule, reexecute
 from elesium.graphs.llm import WorkflowState
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.records import StepRecord
@@ -95,7 +95,7 @@ def stores(url: str, prefix: str) -> tuple[AcceptanceLog, CalibrationStore]:
 def test_calibrations_from_a_synthetic_log_are_bounded_and_versioned(redis_url: str, key_prefix: str) -> None:
     log, store = stores(redis_url, key_prefix)
     bounds = CalibrationBounds(max_nodes=32)
-    cal = NodeCalibrator(store, log, bounds=bounds)
+    cal = NodeCalibrator(store, log, bounds=bounds, rule=None)  # no trials: estimates adopted directly
     synthetic_run(log, "r1")
     rows = {r.node: r for r in cal.fold_run("wf", "r1")}
     assert {n: (r.before, r.after) for n, r in rows.items()} == {
@@ -142,6 +142,61 @@ def test_calibrations_from_a_synthetic_log_are_bounded_and_versioned(redis_url: 
     assert store.get("wf", "easy", "v2")["policy"]["max_nodes"] == 8
     with pytest.raises(CalibrationNotFoundError):
         cal.calibration("wf", "easy", "v9")
+
+
+def arm_run(log: AcceptanceLog, run_id: str, node: str, *, accepted: int, size: int) -> None:
+    """One run of ``node``: one call of 20 tree steps, each accepting ``accepted`` drafts."""
+    entries = steps(run_id, node, 20, accepted=accepted, size=size, predicted=0.5)
+    log.append_many([e.model_copy(update={"step_id": i}) for i, e in enumerate(entries)])
+
+
+def test_a_new_estimate_is_adopted_only_after_it_wins_its_trial(redis_url: str, key_prefix: str) -> None:
+    """Trials: a derived version runs against the current one; the better arm, on the modeled cost
+    curve, decides; a rejected estimate is not proposed again; runs alternate arms while a trial runs."""
+    log, store = stores(redis_url, key_prefix)
+    cost = lambda n: 1.0 + 0.1 * n  # noqa: E731 - a forward of n nodes costs 1 + n/10
+    rule = TrialRule(min_steps=40, min_calls=2)
+    cal = NodeCalibrator(store, log, rule=rule, cost=cost)
+    base = TreePolicy(kind="dynamic", max_nodes=64)
+
+    # Evidence that the heads are under-confident: the estimate moves, so v1 goes on trial.
+    arm_run(log, "seed", "win", accepted=4, size=8)
+    (row,) = cal.fold_run("wf", "seed", labels={"win": "global"})
+    assert (row.before, row.after, row.trial, row.event) == ("global", "global", "v1", "trial")
+    assert store.current("wf", "win") == "global" and store.trial("wf", "win") == "v1"
+    # Successive runs alternate: trial, incumbent, trial, ...
+    assert [cal.choose(base, "wf", "win", None)[0] for _ in range(4)] == ["v1", "global", "v1", "global"]
+    assert cal.choose(base, "wf", "win", "global")[0] == "global"  # a pinned run keeps its version
+
+    # The trial arm accepts more per modeled unit of time (5 tokens per 2.6 against 3 per 1.8).
+    for i in range(2):
+        arm_run(log, f"t{i}", "win", accepted=4, size=16)
+        assert cal.fold_run("wf", f"t{i}", labels={"win": "v1"})[0].event == "trial"
+        arm_run(log, f"g{i}", "win", accepted=2, size=8)
+        last = cal.fold_run("wf", f"g{i}", labels={"win": "global"})[0]
+    assert (last.event, last.after, last.trial) == ("promoted", "v1", None)
+    assert store.current("wf", "win") == "v1" and store.trial("wf", "win") is None
+    (verdict,) = store.decisions("wf", "win")
+    assert verdict["verdict"] == "promoted" and verdict["steps"] == {"v1": 40, "global": 40}
+    assert verdict["efficiency"]["v1"] == pytest.approx(5 / 2.6, rel=1e-5)
+    assert verdict["efficiency"]["global"] == pytest.approx(3 / 1.8, rel=1e-5)
+    assert store.counters("wf", "win", arm="v1") == {}  # the arms' counters went with the trial
+    assert cal.choose(base, "wf", "win", None)[0] == "v1"
+
+    # A trial version that accepts no more than the incumbent but builds bigger trees loses.
+    arm_run(log, "seed2", "lose", accepted=4, size=8)
+    assert cal.fold_run("wf", "seed2", labels={"lose": "global"})[0].trial == "v1"
+    for i in range(2):
+        arm_run(log, f"lt{i}", "lose", accepted=2, size=32)
+        cal.fold_run("wf", f"lt{i}", labels={"lose": "v1"})
+        arm_run(log, f"lg{i}", "lose", accepted=2, size=8)
+        last = cal.fold_run("wf", f"lg{i}", labels={"lose": "global"})[0]
+    assert (last.event, last.after) == ("rejected", "global")
+    assert store.current("wf", "lose") == "global" and store.trial("wf", "lose") is None
+    # The same evidence again proposes the same estimate: not tried a second time.
+    arm_run(log, "more", "lose", accepted=2, size=8)
+    assert cal.fold_run("wf", "more", labels={"lose": "global"})[0].event == "unchanged"
+    assert store.versions("wf", "lose") == 1
 
 
 def test_applied_calibration_stays_within_the_engine_budget() -> None:
@@ -196,22 +251,35 @@ def test_tune_from_log_prints_the_before_after_table(redis_url: str, key_prefix:
         "budget",
         "calib",
         "temp",
+        "event",
     ]
     table = {line.split()[1]: line.split() for line in out[1:4]}
     assert table["easy"][2:6] == ["2", "40", "5.00", "20.0"]
-    assert table["easy"][6:10] == ["global", "-", "-", "-"] and table["easy"][10:14] == [
-        "v1",
+    assert table["easy"][6:10] == ["global", "-", "-", "-"] and table["easy"][10:15] == [
+        "v1(trial)",
         "64",
         "4.00",
         "-",
+        "trial",
     ]
-    assert table["thin"][10] == "global" and table["hard"][10:13] == ["v1", "8", "0.25"]
-    assert out[4].startswith("2 of 3 node calibrations changed")
+    assert table["thin"][10] == "global" and table["hard"][10:13] == ["v1(trial)", "8", "0.25"]
+    assert out[4].startswith("2 of 3 node calibrations on trial")
+    assert store.current("ticket-triage", "easy") == "global" and store.trial("ticket-triage", "easy") == "v1"
     assert store.current("incident-summary", "easy") == "global"
-    # A rebuild recounts from scratch (no double counting) and publishes nothing when nothing moved.
+    # A rebuild recounts from scratch (no double counting) and leaves a running trial running.
     assert cli_main(argv) == 0
     again = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()[1:4]}
-    assert again["easy"][3] == "40" and again["easy"][6] == "v1" and again["easy"][10] == "v1"
+    assert again["easy"][3] == "40" and again["easy"][6] == "global" and again["easy"][10] == "v1(trial)"
+    assert store.versions("ticket-triage", "easy") == 1
+    # --adopt: the operator's override publishes at once and ends the trial.
+    assert cli_main([*argv, "--adopt"]) == 0
+    adopted = capsys.readouterr().out.splitlines()
+    row = {line.split()[1]: line.split() for line in adopted[1:4]}["easy"]
+    assert row[10] == "v2" and row[14] == "adopted"
+    assert adopted[4].startswith("2 of 3 node calibrations changed")
+    assert store.current("ticket-triage", "easy") == "v2" and store.trial("ticket-triage", "easy") is None
+    assert cli_main(["tune", "--adopt", "--redis-url", redis_url]) == 1
+    assert "--adopt goes with --from-log" in capsys.readouterr().err
     assert cli_main(["tune", "--from-log", "--workflow", "no-such-flow", "--redis-url", redis_url]) == 1
     assert "no-such-flow" in capsys.readouterr().err
 
@@ -265,8 +333,10 @@ def test_runs_use_record_and_update_the_node_calibration(runner: WorkflowRunner)
     assert runner.runs.get(first.run_id).calibrations == {"write": "global"}
     n_steps = sum(1 for e in runner.log.iter_entries(first.run_id) if e.kind == "step")
     assert n_steps >= CalibrationBounds().min_steps
-    # Online update: the succeeded run was folded and the node got its first version.
-    assert store.current("tiny-calibrated", "write") == "v1"
+    # Online update: the succeeded run was folded and the node's first version went on trial; new
+    # runs alternate between it and the global policy, which stays current until the verdict.
+    assert store.trial("tiny-calibrated", "write") == "v1"
+    assert store.current("tiny-calibrated", "write") == "global"
     v1 = NodeCalibration.from_dict(store.get("tiny-calibrated", "write", "v1")["policy"])
     assert store.counters("tiny-calibrated", "write")["steps"] == n_steps
 
@@ -278,6 +348,12 @@ def test_runs_use_record_and_update_the_node_calibration(runner: WorkflowRunner)
     assert first_step.draft_temperature == runner.engine.policy.draft_temperature
     counted = sum(1 for e in runner.log.iter_entries(second.run_id) if e.kind == "step")
     assert store.counters("tiny-calibrated", "write")["steps"] == n_steps + counted
+    # Its steps count for the trial arm too; the next run takes the other arm.
+    assert store.counters("tiny-calibrated", "write", arm="v1")["steps"] == counted
+    third = runner.start("tiny-calibrated", {"topic": "deserts"}, seed=13)
+    assert runner.runs.get(third.run_id).calibrations == {"write": "global"}
+    third_steps = sum(1 for e in runner.log.iter_entries(third.run_id) if e.kind == "step")
+    assert store.counters("tiny-calibrated", "write", arm="global")["steps"] == third_steps
 
 
 def test_reexecution_with_the_recorded_version_reproduces_sampled_tokens(runner: WorkflowRunner) -> None:

@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rebuild the per-node tree calibrations of workflows from the acceptance log of "
                    "their succeeded runs, and print the before/after table (loads no model)")
     p.add_argument("--workflow", default=None, help="with --from-log: only this workflow (default: all)")
+    p.add_argument("--adopt", action="store_true",
+                   help="with --from-log: make the rebuilt calibrations current at once instead of "
+                   "putting them on trial against the current ones")
     p.add_argument("--prefix", default="elesium",
                    help="with --from-log: key root of the runs, logs and calibrations (default: elesium)")
     add_model_args(p)
@@ -43,10 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.from_log:
         return from_log(args)
-    if args.workflow is not None:
-        from elesium.cli import CliError
+    for flag, given in (("--workflow", args.workflow is not None), ("--adopt", args.adopt)):
+        if given:
+            from elesium.cli import CliError
 
-        raise CliError("--workflow goes with --from-log")
+            raise CliError(f"{flag} goes with --from-log")
     from elesium.inference.training.distill import build_prompts
     from elesium.inference.tuning.profile import profile_path
     from elesium.inference.tuning.tuner import tune
@@ -76,13 +80,14 @@ def _policy_cells(label: str, calib: object | None) -> list[str]:
 def format_table(rows: list) -> str:
     """The before/after table of a rebuild: one line per (workflow, node)."""
     head = ["workflow", "node", "runs", "steps", "tau", "tok/call", "before", "budget", "calib", "temp",
-            "after", "budget", "calib", "temp"]
+            "after", "budget", "calib", "temp", "event"]
     lines = [head]
     for r in rows:
         s = r.stats
+        after = f"{r.trial}(trial)" if r.trial else r.after
         lines.append([r.workflow, r.node, str(s.get("runs", "")), str(s["steps"]), f"{s['tau']:.2f}",
                       f"{s['tokens_per_call']:.1f}", *_policy_cells(r.before, r.old),
-                      *_policy_cells(r.after, r.new)])
+                      *_policy_cells(after, r.new), r.event])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -105,7 +110,7 @@ def from_log(args: argparse.Namespace) -> int:
     url = default_url(settings_from_args(args))
     runs = RunRegistry.from_url(url, prefix=f"{args.prefix}:runs")
     log = AcceptanceLog.from_url(url, prefix=f"{args.prefix}:acc", retention=Retention(maxlen=None))
-    calibrator = NodeCalibrator(CalibrationStore.from_url(url, prefix=f"{args.prefix}:calib"), log)
+    calibrator = NodeCalibrator(CalibrationStore.from_url(url, prefix=f"{args.prefix}:calib"), log, runs=runs)
     by_workflow: dict[str, list[str]] = {}
     for record in runs.list_by_status(RunStatus.SUCCEEDED, limit=1_000_000):
         if args.workflow is None or record.workflow == args.workflow:
@@ -116,11 +121,16 @@ def from_log(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for workflow in sorted(by_workflow):
-        for row in calibrator.rebuild(workflow, sorted(by_workflow[workflow])):
+        for row in calibrator.rebuild(workflow, sorted(by_workflow[workflow]), adopt=args.adopt):
             row.stats["runs"] = calibrator.store.folded_runs(workflow, row.node)
             rows.append(row)
     print(format_table(rows))
-    changed = sum(r.after != r.before for r in rows)
-    print(f"{changed} of {len(rows)} node calibrations changed (new versions published); "
-          "runs started from now on use the 'after' column")
+    adopted = sum(r.event == "adopted" for r in rows)
+    trials = sum(r.event == "trial" for r in rows)
+    if args.adopt:
+        print(f"{adopted} of {len(rows)} node calibrations changed (new versions published); "
+              "runs started from now on use the 'after' column")
+    else:
+        print(f"{trials} of {len(rows)} node calibrations on trial: new runs alternate between the trial "
+              "version and the 'before' one until the trial is decided (--adopt publishes at once)")
     return 0
