@@ -2,7 +2,10 @@
 
 Each case is captured in a CUDA graph of 20 calls and replayed (``triton.testing.do_bench_cudagraph``,
 median), as the engine runs them: eager timing would measure Python launch overhead instead.
-Prints one table; run on the device as ``python3 -P benchmarks/invariant_kernels.py``.
+Prints one table; run on the device as ``python3 -P benchmarks/invariant_kernels.py``. For the matmul the
+"legacy" column is the one fixed config every weight had before per-weight configs (issue 17,
+``invariant_matmul.LEGACY``); the weight-streaming sweep behind the shipped configs is
+``benchmarks/h200-2026-12-01-invariant-matmul/sweep.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 import triton
 
 from elesium.kernels.invariant_attention import invariant_tree_attention
-from elesium.kernels.invariant_matmul import invariant_linear
+from elesium.kernels.invariant_matmul import LEGACY, invariant_linear
 from elesium.kernels.invariant_norm import invariant_rms_norm
 from elesium.kernels.triton_tree_attention import tree_attention_triton
 
@@ -33,13 +36,14 @@ def graph_us(fn) -> float:
 def main() -> None:
     dev, bf = "cuda", torch.bfloat16
     rows = []
-    for name, n_out, k in (("wqkv", 960, 576), ("wo", 576, 576), ("w13", 3072, 576), ("w2", 576, 1536),
-                           ("lm_head", 49152, 576)):
+    for name, n_out, k in (("wqkv", 960, 576), ("wo", 576, 576), ("k/v", 192, 576), ("w13", 3072, 576),
+                           ("w2", 576, 1536), ("lm_head", 49152, 576)):
         w = torch.randn(n_out, k, device=dev, dtype=bf) / k**0.5
-        for m in (1, 16, 64):
+        for m in (1, 16, 64, 128):
             x = torch.randn(m, k, device=dev, dtype=bf)
             rows.append((f"linear {name} M={m}", graph_us(lambda: F.linear(x, w)),
-                         graph_us(lambda: invariant_linear(x, w))))
+                         graph_us(lambda: invariant_linear(x, w)),
+                         graph_us(lambda: invariant_linear(x, w, config=LEGACY))))
     weight = torch.randn(576, device=dev, dtype=bf)
 
     def torch_norm(x: torch.Tensor) -> torch.Tensor:
@@ -61,9 +65,10 @@ def main() -> None:
             rows.append((f"attention P={prefix} N={n}",
                          graph_us(lambda: tree_attention_triton(q, k, v, p, anc)),
                          graph_us(lambda: invariant_tree_attention(q, k, v, p, anc))))
-    print(f"{'case':<28} {'current us':>11} {'invariant us':>13} {'ratio':>6}")
-    for name, a, b in rows:
-        print(f"{name:<28} {a:>11.2f} {b:>13.2f} {b / a:>6.2f}")
+    print(f"{'case':<28} {'current us':>11} {'invariant us':>13} {'ratio':>6} {'legacy us':>10}")
+    for name, a, b, *legacy in rows:
+        extra = f" {legacy[0]:>10.2f}" if legacy else ""
+        print(f"{name:<28} {a:>11.2f} {b:>13.2f} {b / a:>6.2f}{extra}")
 
 
 if __name__ == "__main__":
