@@ -95,7 +95,9 @@ class Guard:
 
 def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Services:
     from elesium.api.events import EventPump
+    from elesium.graphs.calibration import NodeCalibrator
     from elesium.state import AcceptanceLog, RedisSaver, Retention, RunRegistry, connect, default_url
+    from elesium.state.calibrations import CalibrationStore
     from elesium.state.connection import describe
     from elesium.state.queue import RunQueue
     from elesium.state.run_events import RunEvents
@@ -108,14 +110,22 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
     metrics = Metrics(queue_depth=lambda: worker.depth)
     saver = metrics.timed_checkpoints(RedisSaver(client, target=target))
     events = RunEvents(client, target=target)
+    acceptance = AcceptanceLog(client, target=target, retention=Retention(maxlen=None))
+    runs_registry = RunRegistry(client, target=target)
+    # Built whether or not self-tuning is on: runs record each node's version either way, and a
+    # replay decodes with the versions its run recorded.
+    calibrator = NodeCalibrator(CalibrationStore(client, target=target), acceptance, runs=runs_registry,
+                                use=settings.self_tuning, learn=settings.self_tuning,
+                                cost=lambda n: engine.policy.cost(n))
     return Services(
         settings=settings,
         engine=engine,
         registry=registry,
         store=ThreadStore(client, target=target),
         saver=saver,
-        acceptance=AcceptanceLog(client, target=target, retention=Retention(maxlen=None)),
-        runs_registry=RunRegistry(client, target=target),
+        acceptance=acceptance,
+        runs_registry=runs_registry,
+        calibrator=calibrator,
         worker=worker,
         metrics=metrics,
         tracing=Tracing(settings.otel_exporter, settings.model_name),

@@ -65,6 +65,7 @@ class Services:
     metrics: Metrics
     tracing: Tracing
     queue: Any = None  # elesium.state.queue.RunQueue
+    calibrator: Any = None  # elesium.graphs.calibration.NodeCalibrator (per-node tree calibrations)
     events: Any = None  # elesium.state.run_events.RunEvents
     pump: Any = None  # elesium.api.events.EventPump
     channels: dict[str, RunChannel] = field(default_factory=dict)

@@ -100,6 +100,9 @@ class ApiRunExecutor:
             checkpoint_id=None if resuming else row.request.get("checkpoint_id"),
             log=lease.acceptance_log(retention=Retention(maxlen=None)),
             workflow=wf.name, mode=mode,
+            # A retried attempt keeps the versions its nodes already decoded with (the run record
+            # holds them), so its remaining calls build the trees the dead attempt would have.
+            calibrator=svc.calibrator, calibrations=_recorded_calibrations(svc, run_id),
         )
         svc.store.update_run(run_id, status="running", server=lease.worker_id)
         svc.registry_status(run_id, "running")
@@ -123,6 +126,9 @@ class ApiRunExecutor:
             raise LeaseLostError("the run was stopped without a recorded reason") from None
         finally:
             unregister()
+        if outcome.status == "success":
+            # Before the outcome is published: a run started after this one's reply sees what it taught.
+            _learn(svc, wf.name, run_id)
         self._end(row, outcome.status, outcome.error, tap, own_checkpoints(graph, row.thread_id, run_id))
         if outcome.status == "error":
             raise RunFailed(outcome.error or "error")
@@ -142,6 +148,29 @@ class ApiRunExecutor:
             svc.events.publish(row.thread_id, row.run_id, "error",
                                {"error": (error or "error").split(":")[0], "message": error})
         svc.events.end(row.thread_id, row.run_id)
+
+
+def _recorded_calibrations(svc: Any, run_id: str) -> dict[str, str]:
+    """The calibration version each node of the run decoded with so far (an earlier attempt's)."""
+    if svc.runs_registry is None:
+        return {}
+    try:
+        record = svc.runs_registry.get(run_id)
+    except Exception:  # noqa: BLE001 - the registry is a secondary index; a run without it uses current
+        log.warning("run registry unreadable for %s; nodes start from their current calibrations", run_id)
+        return {}
+    return dict(record.calibrations) if record is not None else {}
+
+
+def _learn(svc: Any, workflow: str, run_id: str) -> None:
+    """Fold a succeeded run into its nodes' calibrations (self-tuning on); never fails the run."""
+    calibrator = svc.calibrator
+    if calibrator is None or not calibrator.learn:
+        return
+    try:
+        calibrator.fold_run(workflow, run_id)
+    except Exception:  # noqa: BLE001 - tuning is best effort; `elesium tune --from-log` redoes it
+        log.warning("calibration update after run %s failed", run_id, exc_info=True)
 
 
 def _emitter(publish: Any, modes: list[str]) -> Any:

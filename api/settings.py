@@ -56,6 +56,11 @@ class ApiSettings:
             on another after about this long).
         shutdown_grace_s: on shutdown, how long in-flight runs get to finish before they are handed
             back to the queue (resumed by another worker from their last checkpoint).
+        self_tuning: LLM nodes of API runs start from their per-node tree calibration and succeeded
+            runs feed it (graphs/calibration.py: new estimates are trialled before adoption). Off by
+            default: then every API run decodes with the engine's global policy, and two runs with
+            the same input and seed give the same tokens even at T > 0. On or off, each run records
+            the version each node used, and replays use the recorded ones.
     """
 
     api_keys: dict[str, str] = field(default_factory=dict)
@@ -71,6 +76,7 @@ class ApiSettings:
     run_timeout_s: float = 0.0
     lease_ttl_s: float = 15.0
     shutdown_grace_s: float = 30.0
+    self_tuning: bool = False
 
     @classmethod
     def from_env(cls, *, auth: bool = True, redis_url: str | None = None) -> ApiSettings:
@@ -88,4 +94,15 @@ class ApiSettings:
             auth=auth,
             redis_url=redis_url or os.environ.get("REDIS_URL"),
             otel_exporter=exporter,
+            self_tuning=env_flag("ELESIUM_SELF_TUNING"),
         )
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable; anything but the usual spellings is an error, not "off"."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{name}={raw!r}: use 1/true/on or 0/false/off")

@@ -149,10 +149,16 @@ def make_executor(args: argparse.Namespace, queue: RunQueue) -> Any:
     :func:`submit`, on this machine's engine and the shipped workflows."""
     from elesium.api.app import build_services
     from elesium.api.run_executor import ApiRunExecutor, Dispatcher
-    from elesium.api.settings import ApiSettings
+    from elesium.api.settings import ApiSettings, env_flag
+    from elesium.cli import CliError
     from elesium.commands.common import load_engine
     from elesium.graphs.runner import WorkflowRunner
 
+    try:
+        self_tuning = env_flag("ELESIUM_SELF_TUNING") or bool(getattr(args, "self_tuning", False))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     runner = WorkflowRunner(load_engine(args), args.redis_url)
-    services = build_services(ApiSettings(redis_url=args.redis_url), runner.engine, runner.registry)
+    services = build_services(ApiSettings(redis_url=args.redis_url, self_tuning=self_tuning), runner.engine,
+                              runner.registry)
     return Dispatcher(ApiRunExecutor(services), WorkflowExecutor(runner))

@@ -11,10 +11,10 @@ A new estimate is never adopted on faith. The first benchmark (BENCHMARKS.md sec
 a factor that matches the heads' predictions to what a node accepts can still build trees that cost
 more than they return on the machine's cost curve. So where the estimate moved materially, the new
 version goes *on trial*: the node's runs alternate between it and the current version, each arm's
-steps are counted apart, and once both arms have :class:`TrialRule`'s evidence the trial version is
-promoted only if its tokens per unit of modeled forward time (the profile's cost curve, which the
-machine's load does not distort) are at least the incumbent's; otherwise it is rejected and the
-node keeps what it had. A rejected estimate is not retried until the evidence moves it materially
+runs are counted apart, and the trial version is promoted only if its runs' tokens per unit of
+modeled forward time (the profile's cost curve, which the machine's load does not distort) beat the
+incumbent's by more than their noise (:class:`TrialRule`); otherwise it is rejected and the node
+keeps what it had. A rejected estimate is not retried until the evidence moves it materially
 again. ``elesium tune --from-log`` rebuilds the counters from the stored runs and starts a trial the
 same way (:meth:`NodeCalibrator.rebuild`; ``adopt=True`` publishes directly, an operator override).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,15 +56,23 @@ class CalibrationNotFoundError(UserError, LookupError):
 
 @dataclass(frozen=True)
 class TrialRule:
-    """When a trial is decided, and how.
+    """When a trial is decided, and how: a one-sided comparison of per-run efficiencies.
 
-    ``min_steps`` tree steps and ``min_calls`` LLM calls in each arm; then the trial version wins if its
-    efficiency is at least ``1 + margin`` times the incumbent's (a small positive margin keeps a
-    version that is only as good as the incumbent from churning the run records).
+    Each run that decodes a node during its trial is one sample of that arm: the run's tokens per
+    unit of modeled forward time at the node (:func:`efficiency`). Runs differ in their inputs, and
+    a node's efficiency varies from input to input by more than a good calibration gains, so a
+    plain comparison of a few runs promotes noise (the first trial benchmark promoted a version on
+    3 runs per arm that lost on held-out inputs). So, once both arms have ``min_runs`` samples:
+    promote when the trial's mean beats the incumbent's by more than ``margin`` (relative) plus
+    ``z`` standard errors of the difference; reject when it is ``z`` standard errors *below*, or
+    when both arms reached ``max_runs`` without a promotion (no evidence of a gain: keep what we
+    have). ``z`` = 1.28 is a one-sided 90 % bound per look; the repeated looks make the real error
+    rate higher, which the ``max_runs`` cut-off and a rejection as the default outcome bound.
     """
 
-    min_steps: int = 24
-    min_calls: int = 3
+    min_runs: int = 3
+    max_runs: int = 12
+    z: float = 1.28
     margin: float = 0.0
 
 
@@ -172,27 +181,38 @@ class NodeCalibrator:
         return None
 
     def _judge(self, workflow: str, node: str, trial: str, row: CalibrationRow) -> CalibrationRow:
-        """Decide ``trial`` once both arms have the rule's evidence; else report it still running."""
-        assert self.rule is not None
+        """Decide ``trial`` by :class:`TrialRule`; else report it still running."""
+        rule = self.rule
+        assert rule is not None
         doc = self.store.get(workflow, node, trial) or {}
         incumbent = str(doc.get("previous", GLOBAL))
-        arms = {label: NodeStats.from_counters(self.store.counters(workflow, node, arm=label))
-                for label in (trial, incumbent)}
-        ready = all(a.steps >= self.rule.min_steps and a.calls >= self.rule.min_calls for a in arms.values())
-        if not ready:
+        raw = {label: self.store.counters(workflow, node, arm=label) for label in (trial, incumbent)}
+        n = {label: int(c.get("trial_n", 0)) for label, c in raw.items()}
+        if min(n.values()) < rule.min_runs:
             return dataclasses.replace(row, trial=trial, event="trial")
-        eff = {label: efficiency(a, self.cost) for label, a in arms.items()}
-        promote = eff[trial] >= (1.0 + self.rule.margin) * eff[incumbent]
-        verdict = {"efficiency": {k: round(v, 6) for k, v in eff.items()},
+        mean = {label: c.get("trial_sum", 0.0) / n[label] for label, c in raw.items()}
+        var = {label: max(0.0, (c.get("trial_sq", 0.0) - n[label] * mean[label] ** 2) / (n[label] - 1))
+               for label, c in raw.items()}
+        diff = mean[trial] - mean[incumbent]
+        se = math.sqrt(var[trial] / n[trial] + var[incumbent] / n[incumbent])
+        if diff - rule.z * se > rule.margin * mean[incumbent]:
+            promote = True
+        elif diff + rule.z * se < 0 or min(n.values()) >= rule.max_runs:
+            promote = False
+        else:
+            return dataclasses.replace(row, trial=trial, event="trial")
+        arms = {label: NodeStats.from_counters(c) for label, c in raw.items()}
+        verdict = {"efficiency": {k: round(v, 6) for k, v in mean.items()},
+                   "stdev": {k: round(math.sqrt(v), 6) for k, v in var.items()},
+                   "runs": n, "difference": round(diff, 6), "stderr": round(se, 6),
                    "tau": {k: round(a.tau, 4) for k, a in arms.items()},
                    "steps": {k: a.steps for k, a in arms.items()},
-                   "calls": {k: a.calls for k, a in arms.items()},
                    "modeled": self.cost is not None}
         if not self.store.decide(workflow, node, trial, incumbent, promote, verdict):
             return dataclasses.replace(row, trial=self.store.trial(workflow, node))  # decided elsewhere
         after, new = self.current(workflow, node)
         log.info("calibration %s of %s/%s %s: efficiency %.4g against %s's %.4g", trial, workflow, node,
-                 "promoted" if promote else "rejected", eff[trial], incumbent, eff[incumbent])
+                 "promoted" if promote else "rejected", mean[trial], incumbent, mean[incumbent])
         return dataclasses.replace(row, after=after, new=new, trial=None,
                                    event="promoted" if promote else "rejected", verdict=verdict)
 
@@ -252,8 +272,12 @@ class NodeCalibrator:
         for node, stats in stats_by_node(self.log.iter_entries(run_id)).items():
             if not stats.steps:
                 continue
+            counters = stats.to_counters()
             arm = self._arm(workflow, node, self._label_of(run_id, node, labels))
-            if self.store.fold(workflow, node, run_id, stats.to_counters(), arm=arm) and self.learn:
+            if arm is not None:  # the run is one sample of its arm (TrialRule)
+                e = efficiency(stats, self.cost)
+                counters.update(trial_n=1.0, trial_sum=e, trial_sq=e * e)
+            if self.store.fold(workflow, node, run_id, counters, arm=arm) and self.learn:
                 rows.append(self._update(workflow, node, f"run {run_id}"))
         return rows
 
@@ -292,7 +316,13 @@ def node_policy(ctx: Any, node: str, mode: str | None) -> TreePolicy | None:
     if pinned is None:
         ctx.calibrations[node] = label
         if calibrator.runs is not None:
-            calibrator.runs.set_calibration(ctx.run_id, node, label)
+            from elesium.state.errors import RunNotFoundError
+
+            try:
+                calibrator.runs.set_calibration(ctx.run_id, node, label)
+            except RunNotFoundError:  # the registry is a secondary index (the API tolerates its loss)
+                log.warning("run %s is not in the registry; node %s's calibration %s is not recorded",
+                            ctx.run_id, node, label)
     return policy
 
 

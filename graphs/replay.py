@@ -482,6 +482,15 @@ class RecordedRun:
     checkpoints: list[str]
     calls: list[LLMCall]
     status: str
+    calibrations: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> version decoded with
+
+
+def pinned_calibrator(store: Any) -> Any:
+    """A calibrator that only serves recorded versions: nodes a run did not pin use the global
+    policy, nothing is learnt and nothing is written (a replay must not touch the run's record)."""
+    from elesium.graphs.calibration import NodeCalibrator
+
+    return NodeCalibrator(store, None, runs=None, use=False, learn=False, rule=None)  # type: ignore[arg-type]
 
 
 def compare_calls(
@@ -618,8 +627,12 @@ def replay_thread(
     fingerprint_now: dict[str, str],
     by: str,
     cancelled: threading.Event | None = None,
+    calibrations: Any = None,
 ) -> ReplayReport:
     """Replay the thread's operations up to and including ``target_run`` and compare (module docstring).
+
+    ``calibrations``: the :class:`~elesium.state.calibrations.CalibrationStore` the runs' recorded
+    per-node versions are read from (each run decodes with the trees it decoded with).
 
     ``workflow`` is the registered workflow to run (the recorded version when it is still registered);
     a version that differs from ``recorded_version`` is itself reported as the first divergence, and
@@ -659,6 +672,7 @@ def replay_thread(
             f"({workflow.version})"
         )
     graph = workflow.build(saver)
+    pinned = pinned_calibrator(calibrations) if calibrations is not None else None
     scratch = f"replay-{report.replay_id}"
     id_map: dict[str, str] = {}
     try:
@@ -690,6 +704,8 @@ def replay_thread(
                 checkpoint_id=id_map.get(fork, fork) if fork else None,
                 workflow=workflow.name,
                 mode=rec.request.get("mode"),
+                calibrator=pinned if rec.calibrations else None,
+                calibrations=rec.calibrations,
             )
             try:
                 outcome = drive(graph, command_from(rec.request), config, cancelled=cancelled)
@@ -753,8 +769,13 @@ def replay_stored_run(
     by: str,
     tenant: str | None = None,
     fingerprint: Callable[[str | None], dict[str, str]] | None = None,
+    runs_registry: Any = None,
+    calibrations: Any = None,
 ) -> ReplayReport:
     """Replay an API run recorded in ``store`` (a ThreadStore) and store the report beside it.
+
+    ``runs_registry`` / ``calibrations``: where the runs' recorded per-node calibration versions and
+    their documents are read (without them every node replays on the global policy).
 
     ``tenant`` None reads the run whatever its tenant (the CLI, which has the Redis credentials anyway).
     The recorded workflow version is used when still registered, else the current one (and the report
@@ -784,6 +805,7 @@ def replay_stored_run(
             checkpoints=r.checkpoints,
             calls=[LLMCall(**c) for c in store.calls(rid)],
             status=r.status,
+            calibrations=_recorded_calibrations(runs_registry, rid),
         )
         for rid, r in rows.items()
     }
@@ -806,6 +828,15 @@ def replay_stored_run(
         fingerprint_recorded=target.fingerprint,
         fingerprint_now=now,
         by=by,
+        calibrations=calibrations,
     )
     store.add_replay(run_id, report.model_dump(mode="json"))
     return report
+
+
+def _recorded_calibrations(runs_registry: Any, run_id: str) -> dict[str, str]:
+    """Non-global versions a run's nodes decoded with (``global`` needs no pin: it is the default)."""
+    record = runs_registry.get(run_id) if runs_registry is not None else None
+    if record is None:
+        return {}
+    return {node: label for node, label in record.calibrations.items() if label != "global"}

@@ -31,6 +31,13 @@ def test_settings_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("ELESIUM_OTEL_EXPORTER", "console")
     s = ApiSettings.from_env()
     assert s.api_keys == {"filekey": "ops", "envkey": "dev"} and s.auth and s.otel_exporter == "console"
+    assert s.self_tuning is False  # off unless asked for
+    monkeypatch.setenv("ELESIUM_SELF_TUNING", "on")
+    assert ApiSettings.from_env().self_tuning is True
+    monkeypatch.setenv("ELESIUM_SELF_TUNING", "sometimes")  # not silently "off"
+    with pytest.raises(ValueError, match="ELESIUM_SELF_TUNING"):
+        ApiSettings.from_env()
+    monkeypatch.delenv("ELESIUM_SELF_TUNING")
     monkeypatch.setenv("ELESIUM_OTEL_EXPORTER", "jaeger")
     with pytest.raises(ValueError, match="ELESIUM_OTEL_EXPORTER"):
         ApiSettings.from_env()

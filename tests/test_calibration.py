@@ -155,7 +155,7 @@ def test_a_new_estimate_is_adopted_only_after_it_wins_its_trial(redis_url: str, 
     curve, decides; a rejected estimate is not proposed again; runs alternate arms while a trial runs."""
     log, store = stores(redis_url, key_prefix)
     cost = lambda n: 1.0 + 0.1 * n  # noqa: E731 - a forward of n nodes costs 1 + n/10
-    rule = TrialRule(min_steps=40, min_calls=2)
+    rule = TrialRule(min_runs=2)
     cal = NodeCalibrator(store, log, rule=rule, cost=cost)
     base = TreePolicy(kind="dynamic", max_nodes=64)
 
@@ -178,6 +178,7 @@ def test_a_new_estimate_is_adopted_only_after_it_wins_its_trial(redis_url: str, 
     assert store.current("wf", "win") == "v1" and store.trial("wf", "win") is None
     (verdict,) = store.decisions("wf", "win")
     assert verdict["verdict"] == "promoted" and verdict["steps"] == {"v1": 40, "global": 40}
+    assert verdict["runs"] == {"v1": 2, "global": 2} and verdict["stderr"] == 0.0
     assert verdict["efficiency"]["v1"] == pytest.approx(5 / 2.6, rel=1e-5)
     assert verdict["efficiency"]["global"] == pytest.approx(3 / 1.8, rel=1e-5)
     assert store.counters("wf", "win", arm="v1") == {}  # the arms' counters went with the trial
@@ -197,6 +198,25 @@ def test_a_new_estimate_is_adopted_only_after_it_wins_its_trial(redis_url: str, 
     arm_run(log, "more", "lose", accepted=2, size=8)
     assert cal.fold_run("wf", "more", labels={"lose": "global"})[0].event == "unchanged"
     assert store.versions("wf", "lose") == 1
+
+
+def test_a_trial_within_its_noise_runs_on_then_is_rejected(redis_url: str, key_prefix: str) -> None:
+    """Per-run efficiencies that overlap decide nothing; at ``max_runs`` the incumbent stays."""
+    log, store = stores(redis_url, key_prefix)
+    cost = lambda n: 1.0 + 0.1 * n  # noqa: E731
+    cal = NodeCalibrator(store, log, rule=TrialRule(min_runs=2, max_runs=3), cost=cost)
+    arm_run(log, "seed", "noisy", accepted=4, size=8)
+    assert cal.fold_run("wf", "seed", labels={"noisy": "global"})[0].trial == "v1"
+    events = []
+    for i, size in enumerate((8, 16, 8)):  # trial: 4 tokens per 1.8 or per 2.6 (mean 1.88, wide)
+        arm_run(log, f"t{i}", "noisy", accepted=3, size=size)
+        events.append(cal.fold_run("wf", f"t{i}", labels={"noisy": "v1"})[0].event)
+        arm_run(log, f"g{i}", "noisy", accepted=3, size=12)  # incumbent: 4 per 2.2 (1.82) every run
+        events.append(cal.fold_run("wf", f"g{i}", labels={"noisy": "global"})[0].event)
+    assert events == ["trial"] * 5 + ["rejected"]
+    (verdict,) = store.decisions("wf", "noisy")
+    assert verdict["runs"] == {"v1": 3, "global": 3} and verdict["difference"] > 0  # ahead, not enough
+    assert verdict["stderr"] > 0 and store.current("wf", "noisy") == "global"
 
 
 def test_applied_calibration_stays_within_the_engine_budget() -> None:

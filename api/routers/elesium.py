@@ -87,6 +87,8 @@ async def replay(
             by=who.identity,
             tenant=who.tenant,
             fingerprint=svc.fingerprint,
+            runs_registry=svc.runs_registry,
+            calibrations=svc.calibrator.store if svc.calibrator is not None else None,
         )
 
     try:

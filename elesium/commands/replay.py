@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     from elesium.cli import CliError
     from elesium.graphs import replay as rp
     from elesium.graphs.registry import default_registry
-    from elesium.state import RedisSaver, connect, default_url
+    from elesium.state import RedisSaver, RunRegistry, connect, default_url
+    from elesium.state.calibrations import CalibrationStore
     from elesium.state.threads import ThreadStore
 
     url = default_url()
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
             run_id=args.run_id,
             mode=args.mode,
             by=f"cli/{getpass.getuser()}",
+            runs_registry=RunRegistry(client),
+            calibrations=CalibrationStore(client),
         )
     except (rp.ReplayRefused, KeyError) as exc:
         raise CliError(str(exc).strip("'\"")) from None

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a run's claim lives without a heartbeat (a dead worker's runs resume after)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight runs get to finish on shutdown before they are handed back")
+    p.add_argument("--self-tuning", action="store_true",
+                   help="API runs use and learn per-node tree calibrations (also ELESIUM_SELF_TUNING=1); "
+                   "give every server and worker of a deployment the same setting")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -55,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
                              ("--lease-ttl", args.lease_ttl, 0.5), ("--grace", args.grace, 0)):
         if value < low:
             raise CliError(f"{flag} must be >= {low:g}, got {value:g}")
-    settings = ApiSettings.from_env(auth=not args.no_auth)
+    try:
+        settings = ApiSettings.from_env(auth=not args.no_auth)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    settings.self_tuning = settings.self_tuning or args.self_tuning
     settings.workers, settings.run_timeout_s, settings.queue_name = args.workers, args.run_timeout, args.queue
     settings.lease_ttl_s, settings.shutdown_grace_s = args.lease_ttl, args.grace
     if settings.auth and not settings.api_keys:

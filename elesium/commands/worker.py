@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-attempts", type=int, default=5, help="claims per run before it is failed")
     p.add_argument("--executor", default=DEFAULT_EXECUTOR, help="module:factory building the run executor")
     p.add_argument("--worker-id", default=None, help="consumer name (default: host-pid-random)")
+    p.add_argument("--self-tuning", action="store_true",
+                   help="API runs use and learn per-node tree calibrations (also ELESIUM_SELF_TUNING=1); "
+                   "give every server and worker of a deployment the same setting")
     add_model_args(p)
     p.set_defaults(handler=run)
 
