@@ -486,8 +486,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="measured steps per mode")
     p.add_argument("--skip", type=int, default=4, help="unmeasured steps after each prefill")
     p.add_argument("--max-tokens", type=int, default=128, help="warm-up length; caps each prompt's steps")
-    p.add_argument("--runner", choices=["graphs", "eager", "both"], default="graphs",
-                   help="graphs: the default runner (CUDA graphs on CUDA); eager: cuda_graphs=False; both")
+    p.add_argument("--runner", choices=["graphs", "eager", "both", "unfused", "fused-pair"], default="graphs",
+                   help="graphs: the default runner (CUDA graphs on CUDA); eager: cuda_graphs=False; both; "
+                        "unfused: graphs with the fused elementwise forward (runtime/fused.py) turned off; "
+                        "fused-pair: graphs, then unfused, side by side")
     p.add_argument("--out", type=Path, default=Path("bench-out/step_profile.json"))
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the Chrome traces here (gzipped)")
     add_model_args(p)
@@ -498,6 +500,8 @@ def engines(opts: argparse.Namespace, runners: list[str]) -> Iterator[tuple[str,
     """One engine per runner, loaded as ``elesium bench`` loads it; each freed before the next."""
     for runner in runners:
         engine = load_engine(opts, cuda_graphs=False if runner == "eager" else None)
+        if runner == "unfused":  # graphs are captured at first use, so the switch still applies
+            engine.model.fused_pointwise = False
         tag = runner if engine.model.device.type == "cuda" or runner == "eager" else "cpu"
         yield tag, engine
         del engine
@@ -565,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         return selftest_cuda()
     opts = parse_args(argv)
     prompts = read_prompts(opts.prompts, opts.limit)
-    runners = ["graphs", "eager"] if opts.runner == "both" else [opts.runner]
+    pairs = {"both": ["graphs", "eager"], "fused-pair": ["graphs", "unfused"]}
+    runners = pairs.get(opts.runner, [opts.runner])
     doc: dict[str, Any] = {"results": {}}
     for tag, engine in engines(opts, runners):
         doc.setdefault("meta", meta(engine, opts, prompts))

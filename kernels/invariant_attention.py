@@ -170,11 +170,14 @@ def invariant_tree_attention(
     *,
     block_n: int = 64,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention (``tree_attention_reference``'s contract) with per-node results invariant in N.
 
     ``ancestors`` must be topologically ordered (a node's ancestors have smaller indices), as every
-    tree and chain the engine builds is.
+    tree and chain the engine builds is. ``out`` (``[B, Hq, N, D]``, any strides with a unit last
+    one) receives the result: a transposed view of a ``[B, N, Hq, D]`` buffer lets the output
+    projection read it without a copy.
     """
     batch, hq, n_nodes, head_dim = q.shape
     _, hkv, capacity, _ = k_cache.shape
@@ -193,7 +196,10 @@ def invariant_tree_attention(
     rows_total = batch * hq * n_nodes
     part_o = torch.empty((rows_total, splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((rows_total, splits), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"invariant tree attention: out {tuple(out.shape)} {out.dtype} does not fit q")
     _invariant_split_kernel[(n_nodes, batch * hkv, splits)](
         q,
         k_cache,

@@ -177,3 +177,79 @@ def test_sampled_speculative_is_exact_on_device() -> None:
     p = chi_square_p(counts, expected, samples)
     print(f"device speculative sampling: chi-square p = {p:.3f} over {samples} samples")
     assert p > 0.01, f"speculative samples on CUDA do not fit the base distribution (p = {p:.2e})"
+
+
+def test_fused_forward_is_on_and_computes_the_reference_forward(bf16, mt_bench_prompts) -> None:
+    """The bf16 engine runs the fused elementwise forward (runtime/fused.py), and its hidden states are the
+    module-by-module forward's within bf16 rounding; the bitwise properties are the tests above."""
+    from elesium.inference.runtime.fused import fused_forward
+    from elesium.inference.runtime.model import Transformer
+
+    model = bf16.model
+    assert model.fused_pointwise, "invariant numerics are on, so the fused forward should be"
+    ids = torch.tensor([bf16.encode_prompt(mt_bench_prompts[3])], device=model.device)
+    n = ids.shape[1]
+    with torch.inference_mode():
+        fused_cache, plain_cache = model.new_cache(256), model.new_cache(256)
+        positions = torch.arange(n, device=model.device)
+        fused = fused_forward(model, ids, positions, fused_cache, 0, model.causal(n))
+        model.fused_pointwise = False
+        try:
+            plain = Transformer.forward(model, ids, positions, plain_cache, 0)
+        finally:
+            model.fused_pointwise = True
+    err = float((fused.float() - plain.float()).norm() / plain.float().norm())
+    assert err < 2e-2, f"relative difference {err:.3g}"
+    agree = (model.logits(fused[0]).argmax(-1) == model.logits(plain[0]).argmax(-1)).float().mean()
+    assert agree > 0.9, f"greedy tokens agree at only {agree:.2f} of prompt positions"
+
+
+def test_fused_kernels_bf16() -> None:
+    """kernels/fused_pointwise.py in bf16 (the interpreter has none): near the fp64 reference, and a row's
+    result in an N-row call is bitwise its 1-row result."""
+    from elesium.inference.runtime.config import ModelConfig
+    from elesium.inference.runtime.model import rope_tables
+    from elesium.kernels.fused_pointwise import (
+        add_rms_norm,
+        add_rms_norm_reference,
+        rope_qkv_to_cache,
+        rope_qkv_to_cache_reference,
+        swiglu,
+        swiglu_reference,
+    )
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    dev, bf = "cuda", torch.bfloat16
+    x = (torch.randn(1, 40, 576, device=dev, generator=g) * 3).to(bf)
+    d = torch.randn(1, 40, 576, device=dev, generator=g).to(bf)
+    w = torch.randn(576, device=dev, generator=g).to(bf)
+    total, normed = add_rms_norm(x, d, w, 1e-5)
+    total_ref, normed_ref = add_rms_norm_reference(x.double(), d.double(), w.double(), 1e-5)
+    assert rel(total, total_ref) < 1e-2 and rel(normed, normed_ref) < 1e-2
+    gate_up = torch.randn(1, 40, 3072, device=dev, generator=g).to(bf)
+    act = swiglu(gate_up)
+    assert rel(act, swiglu_reference(gate_up.double())) < 1e-2
+    cfg = ModelConfig(vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
+                      num_kv_heads=3, head_dim=64, max_position_embeddings=2048)
+    cos_t, sin_t = (t.to(dev) for t in rope_tables(cfg, 2048))
+    positions = torch.arange(1000, 1040, device=dev)[None]
+    qkv = torch.randn(1, 40, 15 * 64, device=dev, generator=g).to(bf)
+    kc = torch.zeros(1, 3, 2048, 64, device=dev, dtype=bf)
+    vc = torch.zeros_like(kc)
+    kr, vr = kc.double(), vc.double()
+    cos, sin = cos_t[positions], sin_t[positions]
+    q = rope_qkv_to_cache(qkv, cos, sin, kc, vc, torch.tensor(1000, device=dev), 9, 3)
+    q_ref = rope_qkv_to_cache_reference(qkv.double(), cos, sin, kr, vr, 1000, 9, 3)
+    assert rel(q, q_ref) < 1e-2 and rel(kc, kr) < 1e-2 and rel(vc, vr) < 1e-2
+    for i in (0, 17, 39):
+        one_total, one_normed = add_rms_norm(x[:, i:i + 1], d[:, i:i + 1], w, 1e-5)
+        assert torch.equal(one_total[0, 0], total[0, i]) and torch.equal(one_normed[0, 0], normed[0, i])
+        assert torch.equal(swiglu(gate_up[:, i:i + 1])[0, 0], act[0, i])
+        k1, v1 = torch.zeros_like(kc), torch.zeros_like(vc)
+        q1 = rope_qkv_to_cache(qkv[:, i:i + 1], cos[:, i:i + 1], sin[:, i:i + 1], k1, v1, 1000 + i, 9, 3)
+        assert torch.equal(q1[:, :, 0], q[:, :, i])
+        assert torch.equal(k1[:, :, 1000 + i], kc[:, :, 1000 + i])
+        assert torch.equal(v1[:, :, 1000 + i], vc[:, :, 1000 + i])

@@ -241,3 +241,95 @@ def test_attention_node_equals_its_one_token_decode(dtype: torch.dtype) -> None:
         alone = invariant_tree_attention(q[:, :, node:node + 1], kk, vv, prefix + len(path) - 1, one,
                                          num_splits=2)
         assert torch.equal(alone[:, :, 0], tree[:, :, node]), f"node {node} (depth {len(path) - 1})"
+
+
+# -- fused elementwise kernels (kernels/fused_pointwise.py, runtime/fused.py) ------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("offset_on_device", [False, True])
+def test_rope_qkv_to_cache_matches_reference(dtype: torch.dtype, offset_on_device: bool) -> None:
+    """q comes back rotated; k (rotated) and v land in slots offset..offset+N of every batch row, and
+    no other slot changes."""
+    from elesium.inference.runtime.config import ModelConfig
+    from elesium.inference.runtime.model import rope_tables
+    from elesium.kernels.fused_pointwise import rope_qkv_to_cache, rope_qkv_to_cache_reference
+
+    g = torch.Generator().manual_seed(5)
+    b, n, hq, hkv, d, cap, offset = 2, 7, 3, 1, 64, 40, 21
+    config = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, max_position_embeddings=64)
+    cos_t, sin_t = rope_tables(config, 64)
+    positions = torch.randint(0, 64, (b, n), generator=g)
+    qkv = torch.randn(b, n, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    caches = [torch.randn(b, hkv, cap, d, generator=g).to(dtype) for _ in range(2)]
+    ours, ref = [c.clone() for c in caches], [c.clone() for c in caches]
+    off = torch.tensor(offset) if offset_on_device else offset
+    q = rope_qkv_to_cache(qkv, cos_t[positions], sin_t[positions], *ours, off, hq, hkv)
+    q_ref = rope_qkv_to_cache_reference(qkv, cos_t[positions], sin_t[positions], *ref, offset, hq, hkv)
+    assert q.shape == (b, hq, n, d) and q.dtype == dtype
+    assert rel_err(q, q_ref) < TOL[dtype]
+    for mine, theirs, before in zip(ours, ref, caches, strict=True):
+        assert rel_err(mine[:, :, offset:offset + n], theirs[:, :, offset:offset + n]) < TOL[dtype]
+        assert torch.equal(mine[:, :, :offset], before[:, :, :offset])
+        assert torch.equal(mine[:, :, offset + n:], before[:, :, offset + n:])
+    assert torch.equal(ours[1][:, :, offset:offset + n], ref[1][:, :, offset:offset + n])  # v is copied as is
+    with pytest.raises(ValueError, match="does not hold"):
+        rope_qkv_to_cache(qkv[..., :-1], cos_t[positions], sin_t[positions], *ours, off, hq, hkv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_and_swiglu_match_reference_and_are_row_invariant(dtype: torch.dtype) -> None:
+    from elesium.kernels.fused_pointwise import add_rms_norm, add_rms_norm_reference, swiglu, swiglu_reference
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(1, 23, 96, generator=g) * 3).to(dtype)
+    delta = torch.randn(1, 23, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    total, normed = add_rms_norm(x, delta, w, 1e-5)
+    total_ref, normed_ref = add_rms_norm_reference(x, delta, w, 1e-5)
+    assert torch.equal(total, total_ref)  # one rounding of an exact fp32 sum, as torch's add
+    assert rel_err(normed, normed_ref) < TOL[dtype]
+    gate_up = (torch.randn(1, 23, 2 * 1100, generator=g) * 2).to(dtype)  # two column blocks, a ragged tail
+    act = swiglu(gate_up)
+    assert act.shape == (1, 23, 1100)
+    assert rel_err(act, swiglu_reference(gate_up.double())) < TOL[dtype]
+    for i in (0, 11, 22):
+        one_total, one_normed = add_rms_norm(x[:, i:i + 1], delta[:, i:i + 1], w, 1e-5)
+        assert torch.equal(one_total[0, 0], total[0, i]) and torch.equal(one_normed[0, 0], normed[0, i])
+        assert torch.equal(swiglu(gate_up[:, i:i + 1])[0, 0], act[0, i])
+    with pytest.raises(ValueError, match="differ"):
+        add_rms_norm(x, delta[:, :3], w, 1e-5)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fused_forward_computes_the_models_forward(invariant: bool) -> None:
+    """runtime/fused.py against Transformer.forward on a random fp32 model: a prompt chunk, then a tree
+    step at an offset held in a tensor (the CUDA-graph path); hidden states and caches agree."""
+    from elesium.inference.runtime.config import ModelConfig
+    from elesium.inference.runtime.fused import fused_forward
+    from elesium.inference.runtime.invariant import apply_invariant_numerics
+    from elesium.inference.runtime.model import Transformer
+
+    torch.manual_seed(4)
+    config = ModelConfig(vocab_size=50, hidden_size=128, intermediate_size=96, num_layers=3, num_heads=2,
+                         num_kv_heads=1, head_dim=64, max_position_embeddings=128)
+    model = apply_invariant_numerics(Transformer(config).eval().requires_grad_(False), invariant)
+    for layer in model.layers:  # non-trivial norm weights, so a wrong norm cannot pass
+        layer.attn_norm.weight.uniform_(0.5, 1.5)
+        layer.mlp_norm.weight.uniform_(0.5, 1.5)
+    model.norm.weight.uniform_(0.5, 1.5)
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 50, (1, 13), generator=g)
+    parents, anc = random_tree(9, g, chain=3)
+    depth = anc.sum(1) - 1
+    tree_tokens = torch.randint(0, 50, (1, 9), generator=g)
+    ours, ref = model.new_cache(64), model.new_cache(64)
+    h_ours = fused_forward(model, prompt, torch.arange(13), ours, 0, model.causal(13))
+    h_ref = model(prompt, torch.arange(13), ref, 0)
+    assert rel_err(h_ours, h_ref) < 1e-5
+    h_ours = fused_forward(model, tree_tokens, 13 + depth, ours, torch.tensor(13), anc)
+    h_ref = model(tree_tokens, 13 + depth, ref, 13, anc)
+    assert rel_err(h_ours, h_ref) < 1e-5
+    assert rel_err(ours.k[:, :, :, :22], ref.k[:, :, :, :22]) < 1e-5
+    assert rel_err(ours.v[:, :, :, :22], ref.v[:, :, :, :22]) < 1e-5
+    assert model.fused_pointwise is invariant  # the switch that routes CUDA forwards through it

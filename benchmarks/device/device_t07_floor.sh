@@ -14,12 +14,7 @@
 # Writes under $OUT: summary.md, bench.log, bench.json, forward_floor.json, forward_floor.log.
 set -uo pipefail
 CARRY=${CARRY:-/root/whl}
-M=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$M" ]; then
-  cat /root/m/z_00 .model/z_01 | python3 -c 'import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer),
-open(sys.argv[1], "wb"))' "$M" || { echo "model unpack failed"; exit 3; }
-fi
-(cd /root/m && sha256sum -c SHA256) || { echo "model sha256 mismatch"; exit 3; }
+source "$(dirname "$0")/device_model.sh"
 source "$(dirname "$0")/device_env.sh"
 export ELESIUM_MODEL=$M ELESIUM_INVARIANT_NUMERICS=on
 S="$OUT/summary.md"

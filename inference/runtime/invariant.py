@@ -6,7 +6,9 @@ rarely matter; in bf16 they flip argmaxes, and speculative output drifts from va
 measured 22-25 of 80 MT-Bench prompts identical). With the switch on, on CUDA, the model's
 linear layers run ``kernels.invariant_matmul``, its norms ``kernels.invariant_norm`` and its tree
 attention ``kernels.invariant_attention``: each row's arithmetic is then independent of how many
-rows the forward holds, so every node of a verify gets bit-for-bit its 1-token result.
+rows the forward holds, so every node of a verify gets bit-for-bit its 1-token result. The same
+switch turns on the fused elementwise forward (``runtime/fused.py``: RoPE + cache write, residual
+add + RMSNorm, SwiGLU, one program per row), which keeps that property and saves ~20 launches a layer.
 
 Setting: ``Settings.invariant_numerics`` / ``ELESIUM_INVARIANT_NUMERICS`` = ``on`` | ``off`` |
 ``auto`` (on for CUDA, off elsewhere: the CPU path has its own kernels and is exact in float32).
@@ -85,6 +87,8 @@ def apply_invariant_numerics(model: nn.Module, enabled: bool) -> nn.Module:
             module.invariant = enabled
     if isinstance(model, Transformer):
         model.invariant_numerics = enabled
+        # The fused elementwise kernels (runtime/fused.py) are row-wise too, so they ride on this switch.
+        model.fused_pointwise = enabled
     return model
 
 

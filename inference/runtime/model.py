@@ -200,6 +200,7 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor  # [max_positions, head_dim] float32 buffers (registered in __init__)
     rope_sin: torch.Tensor
+    fused_pointwise = False  # CUDA forward through runtime/fused.py (set with invariant numerics)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -254,6 +255,10 @@ class Transformer(nn.Module):
             raise ValueError(f"{offset + n} tokens do not fit the KV cache of {cache.max_len}")
         if ancestors is None:
             ancestors = self.causal(n)
+        if self.fused_pointwise and kv_valid is None and tokens.is_cuda:
+            from elesium.inference.runtime.fused import fused_forward
+
+            return fused_forward(self, tokens, positions, cache, offset, ancestors)
         pos = positions if positions.dim() == 2 else positions[None]
         cos = self.rope_cos[pos][:, None]
         sin = self.rope_sin[pos][:, None]

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 17, the fused elementwise forward (kernels/fused_pointwise.py, inference/runtime/fused.py) on the H200.
+#   part 1 (`device_fused.sh 1`): GPU tests (test_gpu.py, then test_invariant_kernels.py in its own process:
+#     it sets TRITON_INTERPRET=1 at import); the step profile with the fused forward on and off side by side
+#     (`--runner fused-pair`, one process); `elesium bench` at T = 0 on the 80 MT-Bench prompts and on the 40
+#     prompts of tests/data/enterprise_prompts.jsonl.
+#   part 2 (`device_fused.sh 2`): `elesium bench` at T = 0.7 on MT-Bench, and the floor (benchmarks/forward_floor.py).
+# bf16, CUDA graphs, invariant numerics on (which turns the fused forward on). Each step has its own `timeout`.
+# Model transfer: device_model.sh. Writes under $OUT: summary_<part>.md and one log / JSON per step.
+set -uo pipefail
+PART=${1:?part 1 or 2}
+CARRY=${CARRY:-/root/whl}
+source "$(dirname "$0")/device_model.sh"
+source "$(dirname "$0")/device_env.sh"
+export ELESIUM_MODEL=$M ELESIUM_INVARIANT_NUMERICS=on
+S="$OUT/summary_$PART.md"
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
+triton.__version__)"
+  echo "part $PART start $(date -u +%FT%TZ) checkout $(git rev-parse --short HEAD 2>/dev/null)"
+} 2>&1 | tee "$S"
+# The bench command through its module: `elesium.cli` imports every subcommand, some of them langgraph,
+# which the device lacks (and the bench does not need).
+BENCH="import argparse, sys; from elesium.commands import bench; p = argparse.ArgumentParser(); \
+bench.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
+summary() {  # bench.json -> one table row
+  python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
+import json, sys
+d = json.load(open(sys.argv[1]))
+s = d.get("speculative", {})
+print("T | prompts | identical | vanilla ms/token | speculative ms/token | speedup | tau | accept by depth")
+print(d.get("temperature"), "|", d.get("prompts"), "|", d.get("identical_outputs"),
+      "|", d["vanilla"].get("ms_per_token"), "|", s.get("ms_per_token"), "|", d.get("speedup"), "|",
+      s.get("mean_accepted"), "|", s.get("accept_rate_by_depth"))
+PY
+}
+bench() {  # name, timeout, prompts file, extra args
+  local name=$1 limit=$2 prompts=$3; shift 3
+  echo "== bench $name ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_bench timeout "$limit" python3 -P -c "$BENCH" bench --prompts "$prompts" \
+    --max-tokens 128 --out "/root/bench_$name" "$@" >"$OUT/bench_$name.log" 2>&1
+  echo "exit $?" | tee -a "$S"
+  cp "/root/bench_$name/bench.json" "$OUT/bench_$name.json" 2>/dev/null && summary "$OUT/bench_$name.json"
+}
+
+if [ "$PART" = 1 ]; then
+  echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
+    -p no:cacheprovider --durations=14 >"$OUT/pytest_gpu.log" 2>&1
+  echo "exit $?; $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$S"
+  echo "== pytest -m gpu tests/test_invariant_kernels.py ($(date -u +%T))" | tee -a "$S"
+  timeout ${KERNELS_S:-60} python3 -P -m pytest -m gpu tests/test_invariant_kernels.py -ra -q -p no:cacheprovider \
+    >"$OUT/pytest_kernels.log" 2>&1
+  echo "exit $?; $(tail -1 "$OUT/pytest_kernels.log")" | tee -a "$S"
+  echo "== step profile, fused on and off ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_step_profile timeout ${STEP_S:-110} python3 -P benchmarks/step_profile.py \
+    --limit 3 --steps 20 --skip 4 --max-tokens 64 --runner fused-pair \
+    --out "$OUT/step_profile_fused.json" 2>"$OUT/step_profile_fused.log" | tee -a "$S"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+  bench t0_mt_bench ${BENCH_S:-130} tests/data/mt_bench_questions.jsonl
+  bench t0_enterprise ${BENCH2_S:-90} tests/data/enterprise_prompts.jsonl
+else
+  bench t07_mt_bench ${BENCH_S:-150} tests/data/mt_bench_questions.jsonl --temperature 0.7
+  echo "== forward floor ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_floor timeout ${FLOOR_S:-270} python3 -P benchmarks/forward_floor.py \
+    --out "$OUT/forward_floor.json" 2>"$OUT/forward_floor.log" | tee -a "$S"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+fi
+echo "end $(date -u +%FT%TZ)" | tee -a "$S"
+ls -la "$OUT"
