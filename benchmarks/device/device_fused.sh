@@ -5,6 +5,8 @@
 #     (`--runner fused-pair`, one process); `elesium bench` at T = 0 on the 80 MT-Bench prompts and on the 40
 #     prompts of tests/data/enterprise_prompts.jsonl.
 #   part 2 (`device_fused.sh 2`): `elesium bench` at T = 0.7 on MT-Bench, and the floor (benchmarks/forward_floor.py).
+#   part 3 (`device_fused.sh 3`, after the array tree choice, inference/decoding/expanded_tree.py): GPU tests,
+#     benchmarks/host_profile.py (cProfile of the host per step), the step profile, and the three benches again.
 # bf16, CUDA graphs, invariant numerics on (which turns the fused forward on). Each step has its own `timeout`.
 # Model transfer: device_model.sh. Writes under $OUT: summary_<part>.md and one log / JSON per step.
 set -uo pipefail
@@ -60,6 +62,23 @@ if [ "$PART" = 1 ]; then
   echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
   bench t0_mt_bench ${BENCH_S:-130} tests/data/mt_bench_questions.jsonl
   bench t0_enterprise ${BENCH2_S:-90} tests/data/enterprise_prompts.jsonl
+elif [ "$PART" = 3 ]; then
+  echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
+    -p no:cacheprovider --durations=14 >"$OUT/pytest_gpu.log" 2>&1
+  echo "exit $?; $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$S"
+  echo "== host profile ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_bench timeout ${HOST_S:-90} python3 -P benchmarks/host_profile.py --limit 4 \
+    --max-tokens 128 --top 25 --out "$OUT/host_profile.json" >"$OUT/host_profile.log" 2>&1
+  echo "exit $?" | tee -a "$S"
+  echo "== step profile ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_step_profile timeout ${STEP_S:-80} python3 -P benchmarks/step_profile.py \
+    --limit 3 --steps 20 --skip 4 --max-tokens 64 --runner graphs \
+    --out "$OUT/step_profile.json" 2>"$OUT/step_profile.log" | tee -a "$S"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+  bench t0_mt_bench ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl
+  bench t07_mt_bench ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl --temperature 0.7
+  bench t0_enterprise ${BENCH2_S:-70} tests/data/enterprise_prompts.jsonl
 else
   bench t07_mt_bench ${BENCH_S:-150} tests/data/mt_bench_questions.jsonl --temperature 0.7
   echo "== forward floor ($(date -u +%T))" | tee -a "$S"

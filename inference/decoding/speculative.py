@@ -28,6 +28,7 @@ import torch
 
 from elesium.inference.constraints import ConstrainedDrafts, GrammarState
 from elesium.inference.decoding.drafts import DraftSet, ExpandedDrafts, FactoredDrafts
+from elesium.inference.decoding.expanded_tree import Expansion
 from elesium.inference.decoding.tree import Tree
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.verify import Verdict, verify_greedy, verify_sampled, verify_typical
@@ -110,21 +111,41 @@ class TreeDecoder:
         return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(),
                                              width, temperature)
 
+    def _array_tree(self) -> bool:
+        return expands(self.heads) and self.grammar is None and self.policy.kind == "dynamic"
+
+    def _expansion(self) -> Expansion:
+        """``_expand``'s drafting, read back as arrays for ``TreePolicy.build_expanded``."""
+        assert self.rows is not None and expands(self.heads), "prefill() first, with Hydra heads"
+        width = self.policy.expand_width
+        tokens, logprobs, parents = self.runner.expand(self.heads, self.rows, self.row_tokens, self.row_start,
+                                                       width, self.policy.draft_topk())
+        return Expansion.from_device(tokens, logprobs, parents, width, self.policy.draft_temperature)
+
     def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
         """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
         start = time.perf_counter()
         draft_temperature = self.policy.draft_temperature
         calibration = self.policy.calibration if self.policy.kind == "dynamic" else 0.0
-        drafts = self.draft()
-        if self.grammar is not None:
-            drafts = ConstrainedDrafts(drafts, self.grammar)
-        tree = self.policy.build(drafts)
-        if room is not None and tree.size > room:
-            tree = tree.truncated(room)
-        node_tokens = [self.pending] + [drafts.token(p) for p in tree.paths[1:]]
+        drafts: DraftSet | None = None
+        if self._array_tree():
+            # Hydra heads, dynamic tree, no grammar: the tree in array operations (expanded_tree.py).
+            tree, drafted, ancestors = self.policy.build_expanded(self._expansion())
+            if room is not None and tree.size > room:
+                tree, drafted, ancestors = tree.truncated(room), drafted[:room - 1], ancestors[:room, :room]
+            node_tokens = [self.pending] + drafted
+        else:
+            drafts = self.draft()
+            if self.grammar is not None:
+                drafts = ConstrainedDrafts(drafts, self.grammar)
+            tree = self.policy.build(drafts)
+            if room is not None and tree.size > room:
+                tree = tree.truncated(room)
+            node_tokens = [self.pending] + [drafts.token(p) for p in tree.paths[1:]]
+            ancestors = tree.ancestors()
         dev = self.runner.device
         out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset,
-                                 tree.ancestors(), drafts=True)
+                                 ancestors, drafts=True)
         verdict = self._verify(tree, node_tokens, out, drafts)
         path = verdict.path
         if path != list(range(len(path))):
@@ -160,7 +181,8 @@ class TreeDecoder:
         self.steps += 1
         return committed, record
 
-    def _verify(self, tree: Tree, node_tokens: list[int], out: StepOutputs, drafts: DraftSet) -> Verdict:
+    def _verify(self, tree: Tree, node_tokens: list[int], out: StepOutputs,
+                drafts: DraftSet | None) -> Verdict:
         if not isinstance(drafts, ConstrainedDrafts):
             if self.params.greedy:
                 return verify_greedy(tree, node_tokens, out.greedy.tolist())

@@ -20,7 +20,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+import torch
+
 from elesium.inference.decoding.drafts import DraftSet, RankPath
+from elesium.inference.decoding.expanded_tree import Expansion, best_candidates, tree_of
 from elesium.inference.decoding.tree import Tree, ranked_paths, restricted
 from elesium.inference.records import StepRecord
 
@@ -70,6 +74,8 @@ class TreePolicy:
     calibration: float = 1.0
     _predicted: float = 0.0
     _static: Tree | None = None
+    # (cost curve's key, cost(1..max_nodes)): a cache, left out of comparisons and repr.
+    _costs: tuple[tuple[object, ...], np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind == "static":
@@ -107,6 +113,32 @@ class TreePolicy:
         tree = Tree.from_paths([p for p, _ in ranked[: best_n - 1]])
         self._predicted = sum(probs[: best_n - 1])
         return tree
+
+    def build_expanded(self, expansion: Expansion) -> tuple[Tree, list[int], torch.Tensor]:
+        """``build`` for a dynamic policy over Hydra heads' expansion, in array operations
+        (``expanded_tree.py``): the same tree, plus its node tokens after the root and its ancestor
+        matrix, which the caller would otherwise rebuild from the tree node by node."""
+        if self._static is not None:
+            raise ValueError("build_expanded is the dynamic policy's; static trees use build()")
+        chosen = best_candidates(expansion, self.max_nodes - 1)
+        probs = np.minimum(1.0, self.calibration * np.exp(expansion.cum[chosen]))
+        costs = self._cost_table()
+        best_n = 1
+        if probs.size:
+            rates = (1.0 + np.cumsum(probs)) / costs[1:probs.size + 1]
+            i = int(np.argmax(rates))
+            if rates[i] > 1.0 / costs[0]:
+                best_n = i + 2
+        best_n = max(best_n, min(self.min_nodes, probs.size + 1))
+        self._predicted = float(probs[:best_n - 1].sum())
+        return tree_of(expansion, chosen[:best_n - 1])
+
+    def _cost_table(self) -> np.ndarray:
+        """``cost(n)`` for n = 1..max_nodes, kept until the curve or the budget changes."""
+        key = (tuple(self.cost.sizes), tuple(self.cost.times), self.max_nodes)
+        if self._costs is None or self._costs[0] != key:
+            self._costs = (key, np.array([self.cost(n) for n in range(1, self.max_nodes + 1)]))
+        return self._costs[1]
 
     def observe(self, record: StepRecord) -> None:
         """Update the calibration from one step's outcome (dynamic trees only)."""
