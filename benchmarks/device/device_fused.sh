@@ -5,6 +5,8 @@
 #     (`--runner fused-pair`, one process); `elesium bench` at T = 0 on the 80 MT-Bench prompts and on the 40
 #     prompts of tests/data/enterprise_prompts.jsonl.
 #   part 2 (`device_fused.sh 2`): `elesium bench` at T = 0.7 on MT-Bench, and the floor (benchmarks/forward_floor.py).
+#   part 4 (`device_fused.sh 4`): `elesium tune` for the fused forward (its profile, `profile.json`, is what
+#     inference/tuning/profiles/cuda-nvidia-h200.json ships), then the T = 0 and T = 0.7 benches under it.
 #   part 3 (`device_fused.sh 3`, after the array tree choice, inference/decoding/expanded_tree.py): GPU tests,
 #     benchmarks/host_profile.py (cProfile of the host per step), the step profile, and the three benches again.
 # bf16, CUDA graphs, invariant numerics on (which turns the fused forward on). Each step has its own `timeout`.
@@ -62,6 +64,21 @@ if [ "$PART" = 1 ]; then
   echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
   bench t0_mt_bench ${BENCH_S:-130} tests/data/mt_bench_questions.jsonl
   bench t0_enterprise ${BENCH2_S:-90} tests/data/enterprise_prompts.jsonl
+elif [ "$PART" = 4 ]; then
+  TUNE="import argparse, sys; from elesium.commands import tune; p = argparse.ArgumentParser(); \
+tune.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
+  echo "== tune ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_tuned timeout ${TUNE_S:-240} python3 -P -c "$TUNE" tune --out "$OUT/profile.json" \
+    >"$OUT/tune.log" 2>&1
+  echo "exit $?; $(tail -3 "$OUT/tune.log" | tr '\n' ' ')" | tee -a "$S"
+  for t in 0 0.7; do
+    echo "== bench T=$t under the new profile ($(date -u +%T))" | tee -a "$S"
+    ELESIUM_CACHE_DIR=/root/cache_tuned timeout ${BENCH_S:-100} python3 -P -c "$BENCH" bench \
+      --prompts tests/data/mt_bench_questions.jsonl --max-tokens 128 --temperature $t --out "/root/bench_tuned_$t" \
+      >"$OUT/bench_tuned_t$t.log" 2>&1
+    echo "exit $?" | tee -a "$S"
+    cp "/root/bench_tuned_$t/bench.json" "$OUT/bench_tuned_t$t.json" 2>/dev/null && summary "$OUT/bench_tuned_t$t.json"
+  done
 elif [ "$PART" = 3 ]; then
   echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
   ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \

@@ -131,7 +131,7 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 6, ab_toke
     # Side by side, rotating the order: the static tree, dynamic trees under several size caps, and
     # vanilla. The caps are measured rather than modelled because host work (building the tree,
     # staging its mask, walking it) grows with the tree and the cost curve above does not see it.
-    caps = sorted({c for c in (16, 32, 64, max(sizes)) if c <= max(sizes)})
+    caps = sorted({c for c in (8, 16, 32, 64, max(sizes)) if c <= max(sizes)})
     arms = [("static", 0)] + [("dynamic", c) for c in caps] + [("vanilla", 0)]
     rates: dict[tuple[str, int], list[float]] = {arm: [] for arm in arms}
     for i, prompt in enumerate(prompts[:ab_prompts]):
