@@ -7,6 +7,8 @@
 #   part 2 (`device_fused.sh 2`): `elesium bench` at T = 0.7 on MT-Bench, and the floor (benchmarks/forward_floor.py).
 #   part 4 (`device_fused.sh 4`): `elesium tune` for the fused forward (its profile, `profile.json`, is what
 #     inference/tuning/profiles/cuda-nvidia-h200.json ships), then the T = 0 and T = 0.7 benches under it.
+#   part 5 (`device_fused.sh 5`): T = 0.7 on MT-Bench under the shipped profile with its tree cap at 32 (as
+#     shipped), 16 and 8, side by side in one call: does a smaller tree make sampling pay?
 #   part 3 (`device_fused.sh 3`, after the array tree choice, inference/decoding/expanded_tree.py): GPU tests,
 #     benchmarks/host_profile.py (cProfile of the host per step), the step profile, and the three benches again.
 # bf16, CUDA graphs, invariant numerics on (which turns the fused forward on). Each step has its own `timeout`.
@@ -78,6 +80,22 @@ tune.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.ha
       >"$OUT/bench_tuned_t$t.log" 2>&1
     echo "exit $?" | tee -a "$S"
     cp "/root/bench_tuned_$t/bench.json" "$OUT/bench_tuned_t$t.json" 2>/dev/null && summary "$OUT/bench_tuned_t$t.json"
+  done
+elif [ "$PART" = 5 ]; then
+  for cap in 32 16 8; do
+    mkdir -p "/root/cache_cap$cap/profiles"
+    python3 - "$cap" "/root/cache_cap$cap/profiles/b179c9523d0e6a0f-cuda-nvidia-h200-bfloat16.json" <<'PY'
+import json, sys
+d = json.load(open("inference/tuning/profiles/cuda-nvidia-h200.json"))
+d["max_nodes"] = int(sys.argv[1])
+json.dump(d, open(sys.argv[2], "w"))
+PY
+    echo "== bench T=0.7, dynamic trees <= $cap nodes ($(date -u +%T))" | tee -a "$S"
+    ELESIUM_CACHE_DIR=/root/cache_cap$cap timeout ${BENCH_S:-100} python3 -P -c "$BENCH" bench \
+      --prompts tests/data/mt_bench_questions.jsonl --max-tokens 128 --temperature 0.7 --out "/root/bench_cap$cap" \
+      >"$OUT/bench_t07_cap$cap.log" 2>&1
+    echo "exit $?" | tee -a "$S"
+    cp "/root/bench_cap$cap/bench.json" "$OUT/bench_t07_cap$cap.json" 2>/dev/null && summary "$OUT/bench_t07_cap$cap.json"
   done
 elif [ "$PART" = 3 ]; then
   echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
