@@ -79,6 +79,13 @@ def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     assert result["heads"][0]["source"] == "drafter" and result["mlp_head1"]["head"] == 1
     assert all(0.0 <= h["top1"] <= h["top5"] <= 1.0 for h in result["heads"])
     assert 2 <= result["tokens"] <= 6 and result["prompts"] == 2
+    # The whole drafter decoding (--tree, on by default): under the engine's policy and as a top-1 chain.
+    tree, chain = result["drafter"]["tree"], result["drafter"]["chain"]
+    assert tree["steps"] >= 1 and 1.0 <= tree["tau"] <= 5.0 and 2 <= tree["tokens"] <= 6
+    rates = chain["accept_rate_by_depth"]
+    assert len(rates) == 4 and chain["mean_tree_size"] == 5.0  # root + one top-1 draft per head
+    assert all(0.0 <= b <= a <= 1.0 for a, b in zip(rates, rates[1:]))  # depth d+1 needs depth d
+    assert chain["conditional"][0] == rates[0]
 
     wrong = save_heads(MedusaHeads(576, num_heads=2), tmp_path / "wrong",
                        {"base_model": {"sha256": "0" * 64}})

@@ -1,5 +1,5 @@
 """``elesium eval-heads``: each draft head (Medusa or Hydra)'s top-1/top-5 against the base model's
-greedy continuation."""
+greedy continuation, and the whole drafter's acceptance by depth when it decodes (``--tree``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL with a 'prompt' field, or MT-Bench's 'turns' (first turn used)")
     p.add_argument("--max-tokens", type=int, default=256, help="greedy continuation length per prompt")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per batched forward")
+    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
+                   help="also decode each prompt speculatively (greedy) and report the whole drafter's "
+                   "tokens per step and acceptance by depth, under the engine's tree policy and as a top-1 "
+                   "chain (default: on; --no-tree skips the two extra passes)")
     p.add_argument("--json", action="store_true",
-                   help='print {"heads": [{"head", "top1", "top5"}...], "tokens"}')
+                   help='print {"heads": [{"head", "top1", "top5"}...], "tokens", '
+                   '"drafter": {"tree", "chain"}}')
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -42,6 +47,14 @@ def run(args: argparse.Namespace) -> int:
     heads = load_heads(args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
                        dtype=engine.model.dtype)
     result = score_prompts(engine.model, engine.tokenizer, heads, prompts, args.max_tokens, args.batch_size)
+    if args.tree:
+        from elesium.inference.tuning.benchmark import drafter_acceptance
+
+        previous, engine.heads = engine.heads, heads
+        try:
+            result["drafter"] = drafter_acceptance(engine, prompts, args.max_tokens)
+        finally:
+            engine.heads = previous
     if args.json:
         print(json.dumps(result))
         return 0
@@ -54,4 +67,11 @@ def run(args: argparse.Namespace) -> int:
         h = result["mlp_head1"]
         print(f"   1  {h['top1']:.3f}   {h['top5']:.3f}   {h['positions']}  "
               "(Hydra MLP head 1, not used for drafting)")
+    for name, d in result.get("drafter", {}).items():
+        what = "the engine's tree policy" if name == "tree" else "a chain of top-1 drafts"
+        by_depth = " / ".join(f"{r:.3f}" for r in d["accept_rate_by_depth"])
+        given = " / ".join(f"{r:.3f}" for r in d.get("conditional", []))
+        print(f"decoding under {what}: tau {d['tau']:.3f} over {d['steps']} steps, mean tree "
+              f"{d['mean_tree_size']:.1f}; accepted by depth {by_depth}"
+              + (f"; given the depth before {given}" if given else ""))
     return 0

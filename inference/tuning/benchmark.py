@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.engine import Engine
 from elesium.inference.records import DecodeMode, Generation, normalize_mode
 from elesium.inference.sampling import SamplingParams
@@ -37,6 +38,37 @@ def acceptance_by_depth(generations: Sequence[Generation]) -> list[float]:
                 seen[d] += 1
                 hits[d] += int(accepted)
     return [h / s if s else 0.0 for h, s in zip(hits, seen)]
+
+
+def drafter_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int) -> dict[str, Any]:
+    """The whole drafter decoding, greedy: tokens per step (tau) and acceptance by depth.
+
+    Top-1 / top-5 of each head against the true continuation says how good a head is alone; what
+    speculation earns depends on the drafts of every depth conditioned on the drafter's own earlier
+    drafts. So this decodes: once under the engine's tree policy (``tree``: what ``bench`` would see),
+    and once with a chain of top-1 drafts as deep as the heads go (``chain``: independent of the tree
+    policy and the hardware profile). ``accept_rate_by_depth[d]``: of the steps whose tree reached
+    depth d + 1, the share that accepted a draft there; for the chain also ``conditional[d]``: the
+    same share among the steps that accepted depth d.
+    """
+    if engine.heads is None:
+        raise ValueError("drafter acceptance needs draft heads on the engine")
+    depth = engine.heads.num_heads
+    chain = TreePolicy(kind="static", static_paths=tuple((0,) * d for d in range(1, depth + 1)), adapt=False)
+    params = SamplingParams(max_tokens=max_tokens)
+    out: dict[str, Any] = {}
+    for name, policy in (("tree", None), ("chain", chain)):
+        gens = [engine.generate(p, params, mode="speculative", policy=policy) for p in prompts]
+        steps = [s for g in gens for s in g.steps]
+        rates = acceptance_by_depth(gens)
+        out[name] = {"steps": len(steps), "tokens": sum(g.new_tokens for g in gens),
+                     "tau": sum(s.accepted_length for s in steps) / max(1, len(steps)),
+                     "mean_tree_size": sum(s.tree_size for s in steps) / max(1, len(steps)),
+                     "accept_rate_by_depth": [round(r, 4) for r in rates]}
+        if name == "chain":
+            out[name]["conditional"] = [round(r / prev, 4) if prev else 0.0
+                                        for r, prev in zip(rates, [1.0, *rates[:-1]], strict=True)]
+    return out
 
 
 def run_bench(engine: Engine, prompts: Sequence[str], params: SamplingParams,
