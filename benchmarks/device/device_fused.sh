@@ -9,6 +9,8 @@
 #     inference/tuning/profiles/cuda-nvidia-h200.json ships), then the T = 0 and T = 0.7 benches under it.
 #   part 5 (`device_fused.sh 5`): T = 0.7 on MT-Bench under the shipped profile with its tree cap at 32 (as
 #     shipped), 16 and 8, side by side in one call: does a smaller tree make sampling pay?
+#   part 6 (`device_fused.sh 6`): benchmarks/drafter_acceptance.py on MT-Bench and the enterprise prompts (issue 18's
+#     per-depth acceptance of the whole drafter, under the shipped policy and as a top-1 chain).
 #   part 3 (`device_fused.sh 3`, after the array tree choice, inference/decoding/expanded_tree.py): GPU tests,
 #     benchmarks/host_profile.py (cProfile of the host per step), the step profile, and the three benches again.
 # bf16, CUDA graphs, invariant numerics on (which turns the fused forward on). Each step has its own `timeout`.
@@ -97,6 +99,12 @@ PY
     echo "exit $?" | tee -a "$S"
     cp "/root/bench_cap$cap/bench.json" "$OUT/bench_t07_cap$cap.json" 2>/dev/null && summary "$OUT/bench_t07_cap$cap.json"
   done
+elif [ "$PART" = 6 ]; then
+  echo "== drafter acceptance ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_bench timeout ${DRAFT_S:-300} python3 -P benchmarks/drafter_acceptance.py \
+    --prompts tests/data/mt_bench_questions.jsonl tests/data/enterprise_prompts.jsonl --max-tokens 128 \
+    --out "$OUT/drafter_acceptance.json" 2>"$OUT/drafter_acceptance.log" | tee -a "$S"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
 elif [ "$PART" = 3 ]; then
   echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
   ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
