@@ -52,11 +52,15 @@ bench() {  # name, timeout, prompts file, extra args
   cp "/root/bench_$name/bench.json" "$OUT/bench_$name.json" 2>/dev/null && summary "$OUT/bench_$name.json"
 }
 
-if [ "$PART" = 1 ]; then
+gpu_tests() {  # tests/test_gpu.py alone: the interpreter tests set TRITON_INTERPRET=1 at import
   echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
   ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
     -p no:cacheprovider --durations=14 >"$OUT/pytest_gpu.log" 2>&1
   echo "exit $?; $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$S"
+}
+
+if [ "$PART" = 1 ]; then
+  gpu_tests
   echo "== pytest -m gpu tests/test_invariant_kernels.py ($(date -u +%T))" | tee -a "$S"
   timeout ${KERNELS_S:-60} python3 -P -m pytest -m gpu tests/test_invariant_kernels.py -ra -q -p no:cacheprovider \
     >"$OUT/pytest_kernels.log" 2>&1
@@ -106,10 +110,7 @@ elif [ "$PART" = 6 ]; then
     --out "$OUT/drafter_acceptance.json" 2>"$OUT/drafter_acceptance.log" | tee -a "$S"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
 elif [ "$PART" = 3 ]; then
-  echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
-  ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
-    -p no:cacheprovider --durations=14 >"$OUT/pytest_gpu.log" 2>&1
-  echo "exit $?; $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$S"
+  gpu_tests
   echo "== host profile ($(date -u +%T))" | tee -a "$S"
   ELESIUM_CACHE_DIR=/root/cache_bench timeout ${HOST_S:-90} python3 -P benchmarks/host_profile.py --limit 4 \
     --max-tokens 128 --top 25 --out "$OUT/host_profile.json" >"$OUT/host_profile.log" 2>&1
