@@ -21,6 +21,7 @@ APPENDFSYNC = ("everysec", "always", "no")
 TREE_ATTENTION = ("auto", "reference", "triton")
 INVARIANT_NUMERICS = ("auto", "on", "off")
 CPU_WEIGHTS = ("auto", "gguf-blocks", "bfloat16", "float32")
+CPU_COMPILE = ("auto", "on", "off")
 
 # Settings field -> its environment variable. The CLI flag is "--" + the field name with dashes.
 ENV_VARS: dict[str, str] = {
@@ -35,6 +36,7 @@ ENV_VARS: dict[str, str] = {
     "tree_attention": "ELESIUM_TREE_ATTENTION",
     "invariant_numerics": "ELESIUM_INVARIANT_NUMERICS",
     "cpu_weights": "ELESIUM_CPU_WEIGHTS",
+    "cpu_compile": "ELESIUM_CPU_COMPILE",
 }
 
 
@@ -66,8 +68,10 @@ class Settings:
     independent of the forward's shape, so greedy speculative output equals vanilla in bf16
     (``inference/runtime/invariant.py``). ``cpu_weights`` picks the CPU's linear layers: "gguf-blocks"
     (the file's 4-bit codes through torch's int4 kernel), "bfloat16", or "float32" (the reference);
-    "auto" is the float32 reference; gguf-blocks is opt-in until it measures faster and stays exact
-    (``inference/runtime/cpu_weights.py``).
+    "auto" is gguf-blocks unless a dtype is asked for (``--dtype float32`` keeps the reference)
+    (``inference/runtime/cpu_weights.py``). ``cpu_compile`` ("on", "off"; "auto" = on for the fast
+    CPU weight formats, off for the float32 reference) runs CPU decode steps through one
+    ``torch.compile``d graph (``inference/runtime/cpu_step.py``).
     """
 
     model: str | None = None
@@ -81,11 +85,13 @@ class Settings:
     tree_attention: str = "auto"
     invariant_numerics: str = "auto"
     cpu_weights: str = "auto"
+    cpu_compile: str = "auto"
 
     def __post_init__(self) -> None:
         # Device and dtype are checked where they are resolved (against the hardware, at load).
         for name, allowed in (("appendfsync", APPENDFSYNC), ("tree_attention", TREE_ATTENTION),
-                              ("invariant_numerics", INVARIANT_NUMERICS), ("cpu_weights", CPU_WEIGHTS)):
+                              ("invariant_numerics", INVARIANT_NUMERICS), ("cpu_weights", CPU_WEIGHTS),
+                              ("cpu_compile", CPU_COMPILE)):
             value = getattr(self, name)
             if value not in allowed:
                 raise SettingsError(f"{ENV_VARS[name]} / {cli_flag(name)} must be one of "
@@ -104,7 +110,7 @@ class Settings:
             value = get(name)
             if value is None:
                 continue
-            if name in ("appendfsync", "tree_attention", "invariant_numerics", "cpu_weights"):
+            if name in ("appendfsync", "tree_attention", "invariant_numerics", "cpu_weights", "cpu_compile"):
                 value = value.lower()
             values[name] = Path(value).expanduser() if name in ("data_dir", "cache_dir") else value
         return cls(**values)

@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,7 +40,12 @@ from elesium.inference.fifo_gate import FifoGate
 from elesium.inference.generation_stream import GenerationStream
 from elesium.inference.records import DecodeMode, Generation, StepRecord, normalize_mode
 from elesium.inference.runtime.config import DTYPES
-from elesium.inference.runtime.cpu_weights import apply_weight_format, resolve_cpu_weights
+from elesium.inference.runtime.cpu_step import CompiledCpuRunner
+from elesium.inference.runtime.cpu_weights import (
+    apply_weight_format,
+    resolve_cpu_compile,
+    resolve_cpu_weights,
+)
 from elesium.inference.runtime.forward import TREE_BUCKETS, CudaGraphRunner, ForwardRunner
 from elesium.inference.runtime.invariant import apply_invariant_numerics, is_invariant
 from elesium.inference.runtime.invariant import resolve as resolve_invariant
@@ -114,7 +120,7 @@ class Engine:
                  heads: DraftHeads | None = None, policy: TreePolicy | None = None,
                  max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True,
                  profile: TuneProfile | None = None, heads_dir: str = "", heads_reason: str = "",
-                 profile_reason: str = "") -> None:
+                 profile_reason: str = "", cpu_compile: bool = False) -> None:
         self.model = model
         self.speculate = speculate
         # What Engine.load chose and why (describe(), fingerprint(), the load log line).
@@ -127,8 +133,13 @@ class Engine:
         self.policy = policy or TreePolicy()
         self.cache = model.new_cache(max_len)
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.runner: ForwardRunner = (CudaGraphRunner(model, self.cache, heads, buckets=TREE_BUCKETS)
-                                      if use_graphs else ForwardRunner(model, self.cache, heads))
+        self.runner: ForwardRunner
+        if use_graphs:
+            self.runner = CudaGraphRunner(model, self.cache, heads, buckets=TREE_BUCKETS)
+        elif cpu_compile and model.device.type == "cpu":
+            self.runner = CompiledCpuRunner(model, self.cache, heads)
+        else:
+            self.runner = ForwardRunner(model, self.cache, heads)
         self._gate = FifoGate()  # owned by one generation at a time, FIFO (generation_stream.py)
 
     @property
@@ -165,6 +176,10 @@ class Engine:
         asked = dtype if dtype != "auto" else settings.dtype
         apply_weight_format(net, resolve_cpu_weights(settings.cpu_weights, dev, asked), weights.source,
                             cache_dir=settings.cache_dir, sha256=weights.sha256)
+        cpu_compile = resolve_cpu_compile(settings.cpu_compile, dev, weights_of(net))
+        if cpu_compile:
+            # Inductor's compiled artefacts beside ours, so a second start loads them (seconds, not a minute).
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.cache_dir / "inductor"))
         medusa = None
         heads_dir = ""
         if heads == "default":
@@ -197,7 +212,7 @@ class Engine:
                                   profile, settings.cache_dir, dev, dt) else "shipped with the package")
         engine = cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
                      cuda_graphs=cuda_graphs, speculate=speculate, profile=profile, heads_dir=heads_dir,
-                     heads_reason=heads_reason, profile_reason=profile_reason)
+                     heads_reason=heads_reason, profile_reason=profile_reason, cpu_compile=cpu_compile)
         d = engine.describe()
         log.info("engine: model %s on %s/%s; heads %s (%s); profile %s (%s); default mode %s (%s); "
                  "tree attention %s", weights.source.name, d["device"], d["dtype"], d["heads_dir"] or "none",
@@ -256,15 +271,23 @@ class Engine:
             "default_mode": self.default_mode, "mode_reason": self.mode_reason,
             "modes": ",".join(self.modes), "attention": self.attention, "weights": weights_of(self.model),
             "numerics": "invariant" if is_invariant(self.model) else "standard",
+            "forward": self.forward_path,
         }
+
+    @property
+    def forward_path(self) -> str:
+        """How decode steps run: "cuda-graphs", "compiled" (the CPU step graph) or "eager"."""
+        if isinstance(self.runner, CudaGraphRunner):
+            return "cuda-graphs"
+        return "compiled" if isinstance(self.runner, CompiledCpuRunner) else "eager"
 
     def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:
         """What a run's output depends on besides its input and seed (contract C2): model, heads,
-        profile (its tree policy), dtype, device, decoding mode, attention path, CPU weight format and
-        whether shape-invariant kernels run (both change the bits of the logits)."""
+        profile (its tree policy), dtype, device, decoding mode, attention path, CPU weight format,
+        whether shape-invariant kernels run and how the step runs (each changes the bits of the logits)."""
         d = self.describe()
         keys = ("model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device",
-                "attention", "weights", "numerics")
+                "attention", "weights", "numerics", "forward")
         return {**{k: d[k] for k in keys}, "mode": self.resolve_mode(mode)}
 
     @property

@@ -86,8 +86,9 @@ def test_engine_default_mode_is_the_profile_s(engine):
     fp = engine.fingerprint("medusa")
     assert fp["mode"] == "speculative" and fp["heads_sha256"] == engine.heads.source_sha256
     assert set(fp) == {"model_sha256", "heads_sha256", "profile_id", "profile_version", "dtype", "device",
-                       "mode", "attention", "weights", "numerics"}
-    assert fp["weights"] == "float32" and fp["numerics"] == "standard"  # the session engine: CPU fp32
+                       "mode", "attention", "weights", "numerics", "forward"}
+    # The session engine: the CPU float32 reference, eager (the compiled step is for the fast formats).
+    assert fp["weights"] == "float32" and fp["numerics"] == "standard" and fp["forward"] == "eager"
 
 
 def test_eval_heads_with_heads_none_is_an_error(capsys, tmp_path):

@@ -104,7 +104,9 @@ def test_forward_rows_barely_depend_on_how_many_the_forward_holds(engine, fast):
     The int4 layers are row-invariant (above); attention is torch's CPU SDPA as in the float32 reference,
     whose reductions over the keys depend on the key count (2.7e-7 on one layer), and bfloat16 rounding of
     the next layer's input and of the logits amplifies that: measured up to 0.44 on logits of |10..25|
-    (2026-11-30). The top-1 token still agreed on every row here; the test below shows it does not always.
+    (2026-11-30). The top-1 token agreed on every row on the AMD EPYC it was written on; on an AVX-512
+    Xeon (2026-12-01) one row of eight flipped between two tokens whose logits were within 0.1. So a
+    row's top-1 may change, but only to a near-tie: the other forward rates it within 0.5 of its own best.
     """
     model = fast.model
     ids = engine.encode_prompt(PROMPTS[1])
@@ -122,7 +124,9 @@ def test_forward_rows_barely_depend_on_how_many_the_forward_holds(engine, fast):
         tree = model.logits(model(torch.tensor([tail[:3]]), pos, cache, n0, anc)[0])
         chain = model.logits(model(torch.tensor([[tail[0], tail[2]]]), pos[:2], cache, n0)[0])
     for a, b in ((together, alone), (tree[[0, 2]], chain)):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        for x, y in ((a, b), (b, a)):
+            picked = y.gather(-1, x.argmax(-1, keepdim=True))[:, 0]
+            assert (y.max(-1).values - picked).max().item() < 0.5  # a flip only between near-ties
         assert (a - b).abs().max().item() < 1.0  # bf16 logits: 0.125 is one step at |logit| 16..32
 
 
@@ -140,9 +144,9 @@ def test_greedy_speculative_equals_vanilla_on_the_fast_path(fast):
         assert any(s.accepted_length > 0 for s in spec.steps)  # speculation really accepted drafts
 
 
-def test_auto_is_the_reference_and_the_fast_path_is_opt_in():
+def test_auto_is_the_fast_path_unless_a_dtype_is_asked_for():
     cpu = torch.device("cpu")
-    assert resolve_cpu_weights("auto", cpu, "auto") == "float32"
+    assert resolve_cpu_weights("auto", cpu, "auto") == "gguf-blocks"
     assert resolve_cpu_weights("gguf-blocks", cpu, "auto") == "gguf-blocks"
     assert resolve_cpu_weights("auto", cpu, "float32") == "float32"
     assert resolve_cpu_weights("bfloat16", cpu, "float32") == "bfloat16"

@@ -184,14 +184,14 @@ def top2_margin(engine, prompt: str, tokens: tuple[int, ...], k: int) -> float:
 def test_greedy_equality_on_mt_bench_prompts(spec_engine, mt_bench_prompts):
     """Greedy speculative == vanilla on MT-Bench turn-1 prompts, 128 tokens, CPU float32.
 
-    CI runs every fourth prompt (20, two or three per category: about 8 minutes on 2 cores);
+    CI runs every fifth prompt (16, two per category: about 7 minutes on 2 cores);
     ``ELESIUM_FULL_MT_BENCH=1`` runs all 80, the issue's original check (32 minutes; it passed in full
     in the fresh-clone CI run of 2026-11-30 20:30-21:41 UTC).
     A divergence is accepted only as a numerical near-tie: the two leading logits within 1e-4 where
     the outputs part (float32 reductions in a different order can flip such a tie), and at most two.
     """
     spec_engine.policy = TreePolicy(kind="dynamic", max_nodes=16)
-    stride = 1 if os.environ.get("ELESIUM_FULL_MT_BENCH") == "1" else 4
+    stride = 1 if os.environ.get("ELESIUM_FULL_MT_BENCH") == "1" else 5
     mismatches, ties = [], []
     for i, prompt in list(enumerate(mt_bench_prompts))[::stride]:
         params = SamplingParams(max_tokens=128)

@@ -10,7 +10,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from elesium.config import APPENDFSYNC, CPU_WEIGHTS, ENV_VARS, INVARIANT_NUMERICS, TREE_ATTENTION, Settings
+from elesium.config import (
+    APPENDFSYNC,
+    CPU_COMPILE,
+    CPU_WEIGHTS,
+    ENV_VARS,
+    INVARIANT_NUMERICS,
+    TREE_ATTENTION,
+    Settings,
+)
 
 
 def _env(name: str) -> str:
@@ -40,7 +48,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-weights", choices=list(CPU_WEIGHTS), default=None,
                        help="CPU linear layers: gguf-blocks (the file's 4-bit codes, int4 kernel), "
                        "bfloat16, or float32 (the reference) (default: "
-                       f"{_env('cpu_weights')}, else auto: the float32 reference)")
+                       f"{_env('cpu_weights')}, else auto: gguf-blocks, or the float32 reference "
+                       "when --dtype float32 is given)")
+    group.add_argument("--cpu-compile", choices=list(CPU_COMPILE), default=None,
+                       help="CPU decode steps through one torch.compile'd graph (first start compiles for "
+                       f"about a minute, later starts load the cache) (default: {_env('cpu_compile')}, "
+                       "else auto: on for gguf-blocks and bfloat16, off for the float32 reference)")
 
 
 def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:

@@ -315,19 +315,36 @@ def _load_packed(model: Transformer, entry: Path) -> FastWeightsReport:
 def resolve_cpu_weights(setting: str, device: torch.device, dtype_asked: str) -> str:
     """The weight format a CPU engine runs: ``setting`` unless "auto".
 
-    "auto" is the float32 reference on the CPU. The 4-bit fast path ("gguf-blocks") is opt-in until it
-    earns the default: measured here it is barely faster than float32 (BENCHMARKS.md section 10), its
-    first start packs the weights for minutes on 2 cores, and torch's CPU attention is not row-invariant,
-    so with bf16 activations greedy speculative output would no longer equal vanilla. Not on CUDA: GPU
-    runs keep their own dtype handling ("float32" here means "change nothing").
+    "auto" is the 4-bit fast path ("gguf-blocks": the file's own codes; bfloat16 where the source has
+    no 4-bit form) unless a dtype was asked for: ``--dtype float32`` keeps the float32 reference, and
+    any other dtype runs as asked. On a quiet 2-core machine the fast path with its compiled step
+    decodes ~4x faster than the reference (BENCHMARKS.md section 10b). Its greedy text is not the
+    reference's token for token (bfloat16 activations into the int4 kernel), and CPU attention is not
+    row-invariant, so the engine does not speculate on it by default (no tuned profile). Not on CUDA:
+    GPU runs keep their own dtype handling ("float32" here means "change nothing").
     """
     if device.type != "cpu":
         if setting not in ("auto", "float32"):
             raise ValueError(f"--cpu-weights {setting} applies to the CPU only")
         return "float32"
     if setting == "auto":
-        return "float32"
+        return "gguf-blocks" if dtype_asked == "auto" else "float32"
     if setting not in WEIGHT_FORMATS:
         raise ValueError(f"unknown CPU weight format {setting!r}; "
                          f"use auto or one of {', '.join(WEIGHT_FORMATS)}")
     return setting
+
+
+def resolve_cpu_compile(setting: str, device: torch.device, weight_format: str) -> bool:
+    """Whether decode steps run through the compiled CPU step (``cpu_step.py``).
+
+    "auto" compiles the fast formats and leaves the float32 reference eager: the reference is what
+    the fast paths are measured against, so it stays the plain ``Transformer.forward``.
+    """
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"unknown --cpu-compile {setting!r}; use auto, on or off")
+    if device.type != "cpu":
+        if setting == "on":
+            raise ValueError("--cpu-compile on applies to the CPU only (CUDA replays graphs)")
+        return False
+    return setting == "on" or (setting == "auto" and weight_format != "float32")
