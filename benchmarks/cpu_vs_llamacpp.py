@@ -1,7 +1,8 @@
 """Elesium's CPU engine beside llama.cpp on the same GGUF, prompts and thread count, in one process.
 
 Speed (default): for each prompt, greedy decoding of up to ``--max-tokens`` new tokens by each of our
-modes (the default configuration: GGUF-block weights, vanilla; and speculative when heads are loaded)
+modes (the default configuration: GGUF-block weights with the compiled step, vanilla; and speculative
+when heads are loaded; with ``--compare`` also the float32 reference and the eager 4-bit path)
 and by llama-cpp-python, in an order that rotates prompt by prompt, so every ratio compares runs that
 were adjacent in time on a shared, noisy machine. tokens/s = new tokens / wall time, prompt
 evaluation included, for both engines; figures are medians over prompts, and ratios are medians
@@ -77,10 +78,22 @@ def speed(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
                 n_batch=512, verbose=False, seed=0)
     eos = set(engine.tokenizer.eos_ids) | {llm.token_eos()}
     modes = ["vanilla"] + (["speculative"] if engine.heads is not None and not args.vanilla_only else [])
-    systems = [*modes, "llama.cpp"]
+    # --compare: other configurations of ours, vanilla, in the same rotation (each its own engine).
+    others: dict[str, Engine] = {}
+    if args.compare:
+        from elesium.config import Settings
+
+        others["reference"] = Engine.load(device="cpu", dtype="float32", heads=None, max_len=2048)
+        others["eager_4bit"] = Engine.load(device="cpu", heads=None, max_len=2048,
+                                           settings=Settings.from_env().with_overrides(cpu_compile="off"))
+    systems = [*modes, *others, "llama.cpp"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     warm = engine.encode_prompt(prompts[0])
+    t0 = time.perf_counter()
     engine.generate(prompts[0], SamplingParams(max_tokens=8), mode="vanilla")
+    ours_first_generation_s = time.perf_counter() - t0  # includes the compiled step's compile or cache load
+    for other in others.values():
+        other.generate(prompts[0], SamplingParams(max_tokens=8), mode="vanilla")
     if "speculative" in modes:
         engine.generate(prompts[0], SamplingParams(max_tokens=8), mode="speculative")
     llama_tokens_per_s(llm, warm, 8, eos)
@@ -94,13 +107,21 @@ def speed(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
                 tps, toks = llama_tokens_per_s(llm, ids, args.max_tokens, eos)
                 row["llama.cpp"] = {"tokens_per_s": tps, "tokens": len(toks)}
                 row["llama_ids"] = toks
+            elif system in others:
+                g = others[system].generate(prompt, params, mode="vanilla")
+                row[system] = {"tokens_per_s": g.tokens_per_s, "tokens": g.new_tokens}
+                row[f"{system}_ids"] = list(g.token_ids)
             else:
                 g = engine.generate(prompt, params, mode=system)
                 row[system] = {"tokens_per_s": g.tokens_per_s, "tokens": g.new_tokens}
                 row[f"{system}_ids"] = list(g.token_ids)
         row["loadavg"] = os.getloadavg()[0]
-        for m in modes:
+        for m in [*modes, *others]:
             row[f"{m}_over_llama"] = row[m]["tokens_per_s"] / row["llama.cpp"]["tokens_per_s"]
+        for name in others:
+            row[f"vanilla_over_{name}"] = row["vanilla"]["tokens_per_s"] / row[name]["tokens_per_s"]
+        if "reference" in others:
+            row["vanilla_equals_reference"] = row["vanilla_ids"] == row["reference_ids"]
         if "speculative" in modes:
             row["spec_equals_vanilla"] = row["speculative_ids"] == row["vanilla_ids"]
         row["vanilla_equals_llama"] = row["vanilla_ids"] == row["llama_ids"]
@@ -110,13 +131,19 @@ def speed(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         s: {"tokens_per_s_median": statistics.median(r[s]["tokens_per_s"] for r in rows),
             "tokens": sum(r[s]["tokens"] for r in rows)} for s in systems}
-    for m in modes:
+    for m in [*modes, *others]:
         summary[f"{m}_over_llama_median"] = statistics.median(r[f"{m}_over_llama"] for r in rows)
+    for name in others:
+        summary[f"vanilla_over_{name}_median"] = statistics.median(r[f"vanilla_over_{name}"] for r in rows)
+    if "reference" in others:
+        summary["vanilla_equals_reference"] = sum(r["vanilla_equals_reference"] for r in rows)
     if "speculative" in modes:
         summary["spec_equals_vanilla"] = sum(r["spec_equals_vanilla"] for r in rows)
     summary["vanilla_equals_llama"] = sum(r["vanilla_equals_llama"] for r in rows)
     summary["loadavg_median"] = statistics.median(r["loadavg"] for r in rows)
-    return {"engine": engine.describe(), "ours_load_s": ours_load_s, "summary": summary,
+    return {"engine": engine.describe(), "others": {k: e.describe() for k, e in others.items()},
+            "ours_load_s": ours_load_s, "ours_first_generation_s": ours_first_generation_s,
+            "summary": summary,
             "per_prompt": [{k: v for k, v in r.items() if not k.endswith("_ids")} for r in rows]}
 
 
@@ -168,6 +195,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vanilla-only", action="store_true", help="leave out our speculative mode")
+    p.add_argument("--compare", action="store_true",
+                   help="also our float32 reference and the 4-bit path without the compiled step, vanilla")
     p.add_argument("--quality", action="store_true", help="fast path against the float32 reference instead")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()

@@ -47,12 +47,13 @@ def test_step_forward_is_the_model_forward_for_chains_and_trees(seed):
         cache.v[:, :, :, context:] = torch.randn_like(cache.v[:, :, :, context:])
         width = int(torch.randint(context, 129, (1,), generator=gen))
         k_window, v_window = cache.k[:, :, :, :width], cache.v[:, :, :, :width]
-        hidden, logits, keys, values = step_forward(model, tokens, positions, torch.tensor(context),
+        hidden, logits, greedy, keys, values = step_forward(model, tokens, positions, torch.tensor(context),
                                                     k_window, v_window, anc)
         want_hidden = model(tokens, positions, cache, context, anc)
         want_logits = model.logits(want_hidden)
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(greedy, logits.argmax(-1))
     # The plain forward wrote its K/V at the context's end: step_forward returns the same values.
     torch.testing.assert_close(keys, cache.k[:, :, :, context:context + n], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(values, cache.v[:, :, :, context:context + n], rtol=1e-6, atol=1e-6)

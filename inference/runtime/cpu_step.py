@@ -47,7 +47,7 @@ not run by default) use the same function eagerly."""
 
 def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor,
                  k_window: torch.Tensor, v_window: torch.Tensor, ancestors: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """N new tokens through the model without touching the cache.
 
     Args:
@@ -57,9 +57,9 @@ def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
             slots; slots at or past ``offset`` are masked out whatever they hold.
         ancestors: ``[N, N]`` bool, which new tokens each new token sees (itself included).
 
-    Returns final-norm hidden states ``[B, N, hidden]``, float32 logits ``[B, N, vocab]``, and the
-    new keys and values ``[layers, B, kv_heads, N, head_dim]`` for the caller to write at
-    ``offset``.
+    Returns final-norm hidden states ``[B, N, hidden]``, float32 logits ``[B, N, vocab]``, their
+    argmax ``[B, N]``, and the new keys and values ``[layers, B, kv_heads, N, head_dim]`` for the
+    caller to write at ``offset``.
     """
     c = model.config
     b, n = tokens.shape
@@ -82,17 +82,22 @@ def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
         v = v.view(b, n, kv, dim).transpose(1, 2)
         keys.append(k)
         values.append(v)
-        qg = q.reshape(b, kv, group * n, dim)
-        old = (qg @ k_window[i].transpose(-1, -2)) * scale + old_bias
-        new = (qg @ k.transpose(-1, -2)) * scale + new_bias
+        qg = q.reshape(b, kv, group * n, 1, dim)
+        # Products as broadcast multiply + sum, not matmuls: with a handful of query rows a BLAS call
+        # costs more to dispatch than to run, while inductor fuses these into the softmax's loops.
+        old = (qg * k_window[i][:, :, None]).sum(-1) * scale + old_bias
+        new = (qg * k[:, :, None]).sum(-1) * scale + new_bias
         top = torch.maximum(old.amax(-1, keepdim=True), new.amax(-1, keepdim=True))
         p_old, p_new = (old - top).exp(), (new - top).exp()
         total = p_old.sum(-1, keepdim=True) + p_new.sum(-1, keepdim=True)
-        out = ((p_old @ v_window[i] + p_new @ v) / total).view(b, c.num_heads, n, dim)
+        mixed = ((p_old[..., None] * v_window[i][:, :, None]).sum(-2)
+                 + (p_new[..., None] * v[:, :, None]).sum(-2))
+        out = (mixed / total).view(b, c.num_heads, n, dim)
         x = x + attn.merge(out)
         x = x + layer.mlp(x)
     hidden = model.norm(x)
-    return hidden, model.logits(hidden), torch.stack(keys), torch.stack(values)
+    logits = model.logits(hidden)
+    return hidden, logits, logits.argmax(-1), torch.stack(keys), torch.stack(values)
 
 
 def window_for(end: int, capacity: int) -> int:
@@ -117,7 +122,7 @@ class CompiledCpuRunner(ForwardRunner):
 
     def _bound_step(self, tokens: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor,
                     k_window: torch.Tensor, v_window: torch.Tensor, ancestors: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return step_forward(self.model, tokens, positions, offset, k_window, v_window, ancestors)
 
     @torch.inference_mode()
@@ -137,8 +142,8 @@ class CompiledCpuRunner(ForwardRunner):
         else:
             step = self._bound_step
         anc = self.model.causal(n) if ancestors is None else ancestors.to(torch.bool)
-        hidden, logits, keys, values = step(torch.tensor([tokens]), torch.tensor(positions),
-                                            torch.tensor(offset), k_window, v_window, anc)
+        hidden, logits, greedy, keys, values = step(torch.tensor([tokens]), torch.tensor(positions),
+                                                    torch.tensor(offset), k_window, v_window, anc)
         self.cache.k[:, :, :, offset:offset + n] = keys
         self.cache.v[:, :, :, offset:offset + n] = values
-        return StepOutputs(hidden[0], logits[0], logits[0].argmax(-1))
+        return StepOutputs(hidden[0], logits[0], greedy[0])
