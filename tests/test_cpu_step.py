@@ -130,3 +130,20 @@ def test_too_long_a_step_is_refused():
     runner = CompiledCpuRunner(model, model.new_cache(16), compiled=False)
     with pytest.raises(ValueError, match="do not fit"):
         runner.decode([1, 2], [15, 16], 15)
+
+
+def test_sizes_without_a_graph_take_the_plain_forward(monkeypatch):
+    """A compiled runner sends a tree (a size it did not compile) to ``ForwardRunner.decode``."""
+    model = tiny_model(5)
+    runner = CompiledCpuRunner(model, model.new_cache(64), compiled=True)
+    calls = []
+    monkeypatch.setattr(runner, "_step", lambda *a: calls.append(a))  # would fail the unpacking if called
+    with torch.inference_mode():
+        runner.prefill(list(range(6)))
+        anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        got = runner.decode([7, 8, 9], [6, 7, 7], 6, anc)
+        plain = ForwardRunner(model, model.new_cache(64))
+        plain.prefill(list(range(6)))
+        want = plain.decode([7, 8, 9], [6, 7, 7], 6, anc)
+    assert not calls
+    assert torch.equal(got.logits, want.logits)

@@ -42,7 +42,7 @@ holds the context, so a 300-token context reads 512 slots, not the whole 8k cach
 COMPILE_SIZES = (1,)
 """Numbers of new tokens that get a compiled graph (a first compile costs ~1 minute on 2 cores;
 later starts load inductor's cache in seconds). Other sizes (tree verification, which the CPU does
-not run by default) use the same function eagerly."""
+not run by default) take the plain eager forward."""
 
 
 def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor,
@@ -108,8 +108,10 @@ def window_for(end: int, capacity: int) -> int:
 class CompiledCpuRunner(ForwardRunner):
     """Decode steps through ``step_forward``, compiled for the sizes in ``compile_sizes``.
 
-    Prefill, drafting and fused Medusa drafts stay eager (``ForwardRunner``): prompts are one call
-    per chunk, where dispatch overhead does not dominate.
+    Prefill, drafting, fused Medusa drafts and steps of other sizes run ``ForwardRunner``'s plain
+    eager forward: prompts are one call per chunk, where dispatch overhead does not dominate.
+    ``compiled=False`` runs ``step_forward`` eagerly for every size: the reference the tests hold
+    the compiled graph to.
     """
 
     def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None,
@@ -129,21 +131,21 @@ class CompiledCpuRunner(ForwardRunner):
     def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
         n = len(tokens)
-        if drafts and self.fuses_drafts:
+        compiled = self._step is not self._bound_step
+        if (drafts and self.fuses_drafts) or (compiled and n not in self.compile_sizes):
+            # Eagerly, the plain forward is the faster form of the same function (it writes the cache
+            # in place and calls one attention kernel instead of materialising the products).
             return super().decode(tokens, positions, offset, ancestors, drafts=drafts)
         if offset + n > self.cache.max_len:
             raise ValueError(f"{offset + n} tokens do not fit the KV cache of {self.cache.max_len}")
         width = window_for(offset, self.cache.max_len)
         k_window, v_window = self.cache.k[:, :, :, :width], self.cache.v[:, :, :, :width]
-        if n in self.compile_sizes and self._step is not self._bound_step:
+        if compiled:
             torch._dynamo.mark_dynamic(k_window, 3)
             torch._dynamo.mark_dynamic(v_window, 3)
-            step = self._step
-        else:
-            step = self._bound_step
         anc = self.model.causal(n) if ancestors is None else ancestors.to(torch.bool)
-        hidden, logits, greedy, keys, values = step(torch.tensor([tokens]), torch.tensor(positions),
-                                                    torch.tensor(offset), k_window, v_window, anc)
+        hidden, logits, greedy, keys, values = self._step(torch.tensor([tokens]), torch.tensor(positions),
+                                                          torch.tensor(offset), k_window, v_window, anc)
         self.cache.k[:, :, :, offset:offset + n] = keys
         self.cache.v[:, :, :, offset:offset + n] = values
         return StepOutputs(hidden[0], logits[0], greedy[0])
