@@ -51,7 +51,13 @@ from elesium.inference.runtime.invariant import apply_invariant_numerics, is_inv
 from elesium.inference.runtime.invariant import resolve as resolve_invariant
 from elesium.inference.runtime.model import Transformer, build_model
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.tuning.profile import TuneProfile, find_profile, profile_path, weights_of
+from elesium.inference.tuning.profile import (
+    TuneProfile,
+    find_profile,
+    profile_path,
+    profile_weights,
+    weights_of,
+)
 from elesium.inference.weights.loading import LoadedWeights, load_weights
 from elesium.inference.weights.tokenizer import Message, Tokenizer
 from elesium.kernels.tree_attention import backend as tree_attention_backend
@@ -202,7 +208,8 @@ class Engine:
             profile_reason = "policy given by the caller"
         else:
             profile = find_profile(settings.cache_dir, weights.sha256, dev, dt,
-                                   medusa.source_sha256 if medusa is not None else "", weights_of(net))
+                                   medusa.source_sha256 if medusa is not None else "",
+                                   profile_weights(weights_of(net), "compiled" if cpu_compile else "eager"))
             policy = profile.policy() if profile is not None else None
             # On a CPU, speculation costs more than it saves unless a profile measured otherwise.
             speculate = profile.speculate if profile is not None else dev.type != "cpu"

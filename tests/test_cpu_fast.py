@@ -166,3 +166,13 @@ def test_profiles_are_keyed_by_weight_format(tmp_path):
     assert find_profile(tmp_path, sha, cpu, torch.float32, weights="float32") is None
     assert find_profile(tmp_path, sha, cpu, torch.float32, weights="bfloat16") is None
     assert "avx" in device_kind(cpu) or "asimd" in device_kind(cpu)  # the CPU's flags are part of the key
+    # The compiled CPU step has its own cost curve: an eager profile does not serve it, nor the reverse.
+    from elesium.inference.tuning.profile import profile_weights
+
+    assert profile_weights("gguf-blocks", "compiled") == "gguf-blocks-compiled"
+    assert profile_weights("gguf-blocks", "eager") == "gguf-blocks"
+    assert find_profile(tmp_path, sha, cpu, torch.float32, weights="gguf-blocks-compiled") is None
+    compiled = dataclasses.replace(prof, weights="gguf-blocks-compiled")
+    compiled.save(profile_path(tmp_path, sha, cpu, torch.float32, "gguf-blocks-compiled"))
+    assert find_profile(tmp_path, sha, cpu, torch.float32, weights="gguf-blocks-compiled") == compiled
+    assert find_profile(tmp_path, sha, cpu, torch.float32, weights="gguf-blocks") == prof

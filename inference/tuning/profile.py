@@ -65,6 +65,13 @@ def weights_of(model: torch.nn.Module) -> str:
     return str(getattr(model, "weights_format", "float32"))
 
 
+def profile_weights(weights: str, forward: str) -> str:
+    """The key a profile's cost curve is filed under: the weight format, plus "-compiled" when CPU steps
+    run the compiled graph (``runtime/cpu_step.py``), whose one-token step costs a fraction of the eager
+    one: a curve measured on one path would mislead the other."""
+    return f"{weights}-compiled" if forward == "compiled" else weights
+
+
 @dataclass
 class TuneProfile:
     device_kind: str

@@ -22,7 +22,13 @@ from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.engine import Engine
 from elesium.inference.runtime.forward import TREE_BUCKETS
 from elesium.inference.sampling import SamplingParams
-from elesium.inference.tuning.profile import TuneProfile, best_static_tree, device_kind, weights_of
+from elesium.inference.tuning.profile import (
+    TuneProfile,
+    best_static_tree,
+    device_kind,
+    profile_weights,
+    weights_of,
+)
 
 
 def _sync(engine: Engine) -> None:
@@ -115,7 +121,8 @@ def tune(engine: Engine, prompts: Sequence[str], *, ab_prompts: int = 6, ab_toke
                           dtype=str(engine.model.dtype).removeprefix("torch."),
                           model_sha256=engine.weights_info.sha256 if engine.weights_info else "",
                           heads_sha256=engine.heads.source_sha256,
-                          weights=weights_of(engine.model),
+                          weights=profile_weights(weights_of(engine.model),
+                                                  getattr(engine, "forward_path", "eager")),
                           cost_sizes=sizes, cost_ms=costs, step_overhead_ms=0.0, acceptance=acceptance,
                           created=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     # Per-step overhead (heads, tree building, verification, compaction) from a real generation.
