@@ -15,18 +15,16 @@ from elesium.inference.runtime import cpu_step
 from elesium.inference.runtime.cpu_step import CompiledCpuRunner, step_forward, window_for
 from elesium.inference.runtime.cpu_weights import resolve_cpu_compile
 from elesium.inference.runtime.forward import ForwardRunner
-from tests.helpers import tiny_model
+from tests.helpers import ancestors_from_parents, tiny_model
 
 
 def _random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
     """A random parent structure (node 0 the root): ancestors ``[n, n]`` and each node's depth."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    anc = torch.eye(n, dtype=torch.bool)
     depth = [0] * n
     for i in range(1, n):
-        anc[i] |= anc[parents[i]]
         depth[i] = depth[parents[i]] + 1
-    return anc, depth
+    return ancestors_from_parents(parents), depth
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -33,7 +33,7 @@ import torch
 
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.runtime.forward import ForwardRunner, StepOutputs
-from elesium.inference.runtime.model import KVCache, Transformer, apply_rope
+from elesium.inference.runtime.model import KVCache, Transformer
 
 WINDOW = 256
 """Granularity of the attention window (cache slots): a step reads the first multiple of this that
@@ -76,10 +76,7 @@ def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
     x = model.embed(tokens)
     for i, layer in enumerate(model.layers):
         attn = layer.attn
-        q, k, v = attn.wqkv(layer.attn_norm(x)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(b, n, c.num_heads, dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(b, n, kv, dim).transpose(1, 2), cos, sin)
-        v = v.view(b, n, kv, dim).transpose(1, 2)
+        q, k, v = attn.project(layer.attn_norm(x), cos, sin)
         keys.append(k)
         values.append(v)
         qg = q.reshape(b, kv, group * n, 1, dim)
