@@ -20,7 +20,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +39,7 @@ from elesium.inference.fifo_gate import FifoGate
 from elesium.inference.generation_stream import GenerationStream
 from elesium.inference.records import DecodeMode, Generation, StepRecord, normalize_mode
 from elesium.inference.runtime.config import DTYPES
-from elesium.inference.runtime.cpu_step import CompiledCpuRunner
+from elesium.inference.runtime.cpu_step import CompiledCpuRunner, use_inductor_cache
 from elesium.inference.runtime.cpu_weights import (
     apply_weight_format,
     resolve_cpu_compile,
@@ -185,7 +184,7 @@ class Engine:
         cpu_compile = resolve_cpu_compile(settings.cpu_compile, dev, weights_of(net))
         if cpu_compile:
             # Inductor's compiled artefacts beside ours, so a second start loads them (seconds, not a minute).
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.cache_dir / "inductor"))
+            use_inductor_cache(settings.cache_dir / "inductor")
         medusa = None
         heads_dir = ""
         if heads == "default":

@@ -31,6 +31,33 @@ def tiny_model(seed: int = 0, *, vocab: int = VOCAB, num_layers: int = 2, max_po
     return Transformer(config).eval().requires_grad_(False)
 
 
+class RowwiseLinear(torch.nn.Module):
+    """``x @ W.T`` as one multiply-and-sum per output: a row's result cannot depend on the rows beside it.
+
+    A float32 BLAS call gives no such promise (its blocking follows the row count), and the fast
+    path's int4 layers round their input to bfloat16, which hides last-bit differences; this layer
+    is row-invariant and keeps them, so a test on it sees any reordering in the rest of the step.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x[..., None, :] * self.weight).sum(-1)
+
+
+def rowwise_tiny_model(seed: int = 0, *, num_layers: int = 2) -> Transformer:
+    """``tiny_model`` with every linear layer, lm_head too, a ``RowwiseLinear``."""
+    model = tiny_model(seed, num_layers=num_layers)
+    for layer in model.layers:
+        attn = layer.attn
+        attn.wqkv, attn.wo = RowwiseLinear(attn.wqkv.weight), RowwiseLinear(attn.wo.weight)
+        layer.w13, layer.w2 = RowwiseLinear(layer.w13.weight), RowwiseLinear(layer.w2.weight)
+    model.lm_head = RowwiseLinear(model.lm_head.weight)
+    return model
+
+
 def tiny_engine(model: Transformer) -> SimpleNamespace:
     """What ``train()`` reads from an engine, around a tiny model (no tokenizer: data is given as ids)."""
     return SimpleNamespace(model=model, tokenizer=None,

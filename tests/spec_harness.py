@@ -96,16 +96,18 @@ def exact_joint(model: Transformer, prefix: list[int], first: int, params: Sampl
 def speculative_samples(model: Transformer, heads: DraftHeads, policy: TreePolicy, prefix: list[int],
                         first: int, params: SamplingParams, n: int, samples: int, seed: int,
                         mode: str = "speculative", grammar: GrammarState | None = None,
-                        on_decoder: Callable[[TreeDecoder], None] | None = None) -> dict:
+                        on_decoder: Callable[[TreeDecoder], None] | None = None,
+                        runner_type: type[ForwardRunner] = ForwardRunner) -> dict:
     """Counts of the next ``n`` tokens the tree decoder commits after ``prefix + [first]``.
 
     ``grammar`` (its state after ``first``) constrains every sample from a fresh copy; ``on_decoder``
-    sees each sample's decoder before it steps (to watch the trees it builds).
+    sees each sample's decoder before it steps (to watch the trees it builds); ``runner_type`` is the
+    forward it verifies through (``ForwardRunner``, or a subclass such as the CPU step's).
     """
     cache = model.new_cache(len(prefix) + 4 * policy.max_tree_size + n + 8)
     # The runner owns only a drafter's heads (it keeps the drafter's cache); others are passed per step,
     # so the step forward does not fuse Medusa drafts (top-10 of an 8-token vocabulary).
-    runner = ForwardRunner(model, cache, heads if heads.drafter is not None else None)
+    runner = runner_type(model, cache, heads if heads.drafter is not None else None)
     sampler = Sampler(seed)
     base = TreeDecoder(runner, heads, params, sampler, policy, mode)
     base.prefill(prefix)

@@ -15,7 +15,7 @@ from elesium.inference.runtime import cpu_step
 from elesium.inference.runtime.cpu_step import CompiledCpuRunner, step_forward, window_for
 from elesium.inference.runtime.cpu_weights import resolve_cpu_compile
 from elesium.inference.runtime.forward import ForwardRunner
-from tests.helpers import ancestors_from_parents, tiny_model
+from tests.helpers import ancestors_from_parents, rowwise_tiny_model, tiny_model
 
 
 def _random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
@@ -130,18 +130,68 @@ def test_too_long_a_step_is_refused():
         runner.decode([1, 2], [15, 16], 15)
 
 
-def test_sizes_without_a_graph_take_the_plain_forward(monkeypatch):
-    """A compiled runner sends a tree (a size it did not compile) to ``ForwardRunner.decode``."""
-    model = tiny_model(5)
-    runner = CompiledCpuRunner(model, model.new_cache(64), compiled=True)
-    calls = []
-    monkeypatch.setattr(runner, "_step", lambda *a: calls.append(a))  # would fail the unpacking if called
+Trees = list[tuple[list[int], list[int]]]
+
+
+def _tree_against_chains(runner: CompiledCpuRunner, prompt: list[int], trees: Trees) -> None:
+    """Each tree (tokens, parents) at the prompt's end: every node's logits must be bit for bit those of
+    decoding its root path one token at a time from the same cache, through the same runner."""
     with torch.inference_mode():
-        runner.prefill(list(range(6)))
-        anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-        got = runner.decode([7, 8, 9], [6, 7, 7], 6, anc)
-        plain = ForwardRunner(model, model.new_cache(64))
-        plain.prefill(list(range(6)))
-        want = plain.decode([7, 8, 9], [6, 7, 7], 6, anc)
-    assert not calls
-    assert torch.equal(got.logits, want.logits)
+        runner.prefill(prompt)
+        offset = len(prompt)
+        saved = runner.cache.k.clone(), runner.cache.v.clone()
+        for tokens, parents in trees:
+            runner.cache.k.copy_(saved[0])
+            runner.cache.v.copy_(saved[1])
+            depth = [0] * len(parents)
+            for i in range(1, len(parents)):
+                depth[i] = depth[parents[i]] + 1
+            anc = ancestors_from_parents(parents)
+            tree = runner.decode(tokens, [offset + d for d in depth], offset, anc).logits.clone()
+            for node in range(len(tokens)):
+                runner.cache.k.copy_(saved[0])
+                runner.cache.v.copy_(saved[1])
+                path = [j for j in range(len(tokens)) if anc[node, j]]  # root first: parents precede children
+                for d, j in enumerate(path):
+                    alone = runner.decode([tokens[j]], [offset + d], offset + d).logits[0]
+                assert torch.equal(tree[node], alone), (parents, node)
+
+
+def _random_trees(gen: torch.Generator, sizes: tuple[int, ...]) -> Trees:
+    out = []
+    for n in sizes:
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        out.append(([int(t) for t in torch.randint(0, 40, (n,), generator=gen)], parents))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_nodes_get_their_one_token_logits_bit_for_bit(monkeypatch, seed):
+    """The property greedy speculative == vanilla rests on, for the eager step (the reference).
+
+    On row-invariant float32 layers (the fast path's int4 layers are row-invariant too, but round their
+    input to bfloat16, which would hide last-bit differences). The window is 8 slots here, so a deep
+    tree's window is wider than its shallow nodes' one-token windows: extra masked columns must change
+    nothing. (Run through ``ForwardRunner``'s SDPA forward, or the two-part attention this step had
+    before, these trees fail.)
+    """
+    monkeypatch.setattr(cpu_step, "WINDOW", 8)
+    model = rowwise_tiny_model(seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = [int(t) for t in torch.randint(0, 40, (int(torch.randint(3, 22, (1,), generator=gen)),),
+                                            generator=gen)]
+    runner = CompiledCpuRunner(model, model.new_cache(64), compiled=False)
+    _tree_against_chains(runner, prompt, _random_trees(gen, (2, 5, 9, 12)))
+
+
+def test_compiled_tree_nodes_get_their_one_token_logits_bit_for_bit(monkeypatch):
+    """The same through inductor: the one-token graph and the tree graph (the node count dynamic, so
+    trees of any size share it) agree row for row, and nothing recompiles per tree size."""
+    monkeypatch.setattr(cpu_step, "WINDOW", 8)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = rowwise_tiny_model(7)
+    gen = torch.Generator().manual_seed(7)
+    runner = CompiledCpuRunner(model, model.new_cache(64), compiled=True)
+    _tree_against_chains(runner, list(range(3, 16)), _random_trees(gen, (3, 6, 11)))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one-token and tree

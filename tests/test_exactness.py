@@ -14,6 +14,8 @@ import torch
 from elesium.inference.decoding import verify as verify_mod
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.verify import Verdict
+from elesium.inference.runtime.cpu_step import CompiledCpuRunner
+from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.sampling import SamplingParams, sample_from, target_probs
 from spec_harness import (
     RandomHeads,
@@ -45,12 +47,14 @@ def tiny():
     return tiny_model(0), RandomHeads(32, 3, seed=1)
 
 
-def assert_samples_exact(model, heads, policy, temperature: float, seed: int, label: str) -> None:
+def assert_samples_exact(model, heads, policy, temperature: float, seed: int, label: str,
+                         runner_type: type[ForwardRunner] = ForwardRunner) -> None:
     """SAMPLES speculative two-token continuations must fit the base model's exact joint (chi-square p >
     0.01)."""
     params = SamplingParams(temperature=temperature, top_p=0.9)
     expected = exact_joint(model, PREFIX, FIRST, params, 2)
-    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=seed)
+    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=seed,
+                                 runner_type=runner_type)
     p = chi_square_p(counts, expected, SAMPLES)
     print(f"{label}: chi-square p = {p:.3f}")
     assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
@@ -80,6 +84,23 @@ def test_hydra_with_attention_drafter_sampling_is_exact(tiny):
     model, _ = tiny
     heads = with_random_drafter(random_hydra_heads(32, 3, seed=4, conditioning="chain"), model.config, seed=5)
     assert_samples_exact(model, heads, DYNAMIC, 1.0, seed=13, label="exact hydra chain + drafter T=1.0")
+
+
+class EagerCpuStep(CompiledCpuRunner):
+    """The CPU fast path's step function (``cpu_step.step_forward``), run eagerly: the same code the
+    compiled graph is held to, bit for bit, in ``test_cpu_step.py``."""
+
+    def __init__(self, model, cache, heads=None) -> None:
+        super().__init__(model, cache, heads, compiled=False)
+
+
+def test_sampling_through_the_cpu_step_is_exact(tiny):
+    """Verification through the CPU fast path's forward (attention in each node's logical key order)."""
+    model, _ = tiny
+    heads = with_random_drafter(random_hydra_heads(32, 3, seed=6, conditioning="concat"), model.config,
+                                seed=8)
+    assert_samples_exact(model, heads, DYNAMIC, 1.3, seed=17, label="exact cpu step T=1.3",
+                         runner_type=EagerCpuStep)
 
 
 def wrong_residual(tree, node_tokens, logits, params, sampler):

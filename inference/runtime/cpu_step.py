@@ -8,9 +8,12 @@ pays off when the compiled graph neither mutates the KV cache nor depends on the
   ``[layers, ...]`` cache makes AOT functionalisation rebuild the whole cache buffer every layer
   (~23 ms a step measured on 2 cores, more than the model's matmuls). So ``step_forward`` returns
   the new keys and values and the caller writes them with one indexed copy after the graph.
-* **Attention in two parts.** Each query attends to the cached slots before ``offset`` (one mask
-  row, the same for every node) and to the step's own nodes (the ``ancestors`` mask), with one
-  softmax over both. That needs neither the new K/V in the cache nor a concatenation.
+* **Attention in logical order.** A tree node attends to the cached slots before ``offset`` and
+  then to its root path, depth by depth: the very key sequence it would see if it were decoded
+  alone, one token at a time, in the same columns of the same window. With every layer row-wise
+  (the int4 matmuls are row-invariant, and so are inductor's loops over a row), a node's logits are
+  bit for bit those of vanilla decoding, so greedy speculative output equals vanilla's. Keys come
+  from the cache or the step's own new keys by a select, so nothing is written first.
 * **A cache window, not the whole cache.** The caller passes the cache sliced to a window that
   grows in steps of ``WINDOW`` slots; its length is a dynamic dimension, so one compiled graph
   serves every context length while each step reads only live-ish slots.
@@ -20,41 +23,40 @@ The eager call of ``step_forward`` is its own reference, and ``Transformer.forwa
 reference of both (tests compare all three). Numerics: the same maths as ``Transformer.forward`` in
 a different summation order, so logits agree to float tolerance, not bit for bit; greedy output is
 deterministic for a given engine (the fingerprint names this path), but it is not the float32
-reference's token for token (BENCHMARKS.md section 10 measures how often they agree).
+reference's token for token (BENCHMARKS.md section 10 measures how often they agree). What is bit
+for bit is a row against itself: one node's outputs do not depend on the tree around it, which
+``tests/test_cpu_step.py`` checks for the eager and the compiled function.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from elesium.inference.drafters.protocol import DraftHeads
-from elesium.inference.runtime.forward import ForwardRunner, StepOutputs
+from elesium.inference.drafters.protocol import DraftHeads, expands
+from elesium.inference.runtime.forward import DRAFT_TOPK, ForwardRunner, StepOutputs, draft_topk
 from elesium.inference.runtime.model import KVCache, Transformer
 
 WINDOW = 256
 """Granularity of the attention window (cache slots): a step reads the first multiple of this that
 holds the context, so a 300-token context reads 512 slots, not the whole 8k cache."""
 
-COMPILE_SIZES = (1,)
-"""Numbers of new tokens that get a compiled graph (a first compile costs ~1 minute on 2 cores;
-later starts load inductor's cache in seconds). Other sizes (tree verification, which the CPU does
-not run by default) take the plain eager forward."""
-
-
 def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor,
                  k_window: torch.Tensor, v_window: torch.Tensor, ancestors: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """N new tokens through the model without touching the cache.
+    """N new tokens (a chain or a tree) through the model without touching the cache.
 
     Args:
-        tokens: ``[B, N]``; ``positions``: ``[N]`` RoPE positions; ``offset``: 0-d int64, the
-            first slot the new tokens will occupy (every slot before it is context).
-        k_window, v_window: ``[layers, B, kv_heads, W, head_dim]``, the cache's first ``W >= offset``
-            slots; slots at or past ``offset`` are masked out whatever they hold.
+        tokens: ``[B, N]``; ``positions``: ``[N]``, ``offset`` plus each node's depth in the tree;
+            ``offset``: 0-d int64, the first slot the new tokens will occupy (every slot before it
+            is context).
+        k_window, v_window: ``[layers, B, kv_heads, W, head_dim]``, the cache's first ``W`` slots,
+            ``W > max(positions)``; slots at or past ``offset`` are never read as context.
         ancestors: ``[N, N]`` bool, which new tokens each new token sees (itself included).
 
     Returns final-norm hidden states ``[B, N, hidden]``, float32 logits ``[B, N, vocab]``, their
@@ -66,11 +68,18 @@ def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
     kv, group, dim = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
     scale = 1.0 / math.sqrt(dim)
     cos, sin = model.rope_cos[positions][None, None], model.rope_sin[positions][None, None]
+    dev = tokens.device
     width = k_window.shape[3]
-    context = torch.arange(width, device=tokens.device) < offset
-    old_bias = torch.zeros(width, device=tokens.device).masked_fill(~context, float("-inf"))
-    # Query rows are grouped per KV head: row g * N + t is query head (h * group + g), token t.
-    new_bias = torch.zeros(n, n, device=tokens.device).masked_fill(~ancestors, float("-inf")).repeat(group, 1)
+    slots = torch.arange(width, device=dev)
+    # Each node's keys in logical order: column j is cache slot j below ``offset``, and from there
+    # the node's root path, depth by depth (``path[r, d]``: r's ancestor at depth d, r at its own).
+    levels = torch.arange(n, device=dev)
+    depth = positions - offset
+    on_path = ancestors[:, :, None] & (depth[None, :, None] == levels[None, None, :])  # [r, node, d]
+    path = (on_path.long() * levels[None, :, None]).sum(1)  # [N, N]
+    node = path[:, (slots - offset).clamp(0, n - 1)]  # [N, W]
+    cached = (slots < offset)[None, None, None, :, None]
+    bias = torch.zeros(n, width, device=dev).masked_fill(slots[None, :] > positions[:, None], float("-inf"))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     x = model.embed(tokens)
@@ -79,22 +88,34 @@ def step_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
         q, k, v = attn.project(layer.attn_norm(x), cos, sin)
         keys.append(k)
         values.append(v)
-        qg = q.reshape(b, kv, group * n, 1, dim)
+        # [B, kv, N, W, head_dim]: inductor fuses these selects into the loops that read them.
+        k_rows = torch.where(cached, k_window[i][:, :, None], k[:, :, node])
+        v_rows = torch.where(cached, v_window[i][:, :, None], v[:, :, node])
+        qg = q.reshape(b, kv, group, n, 1, dim)
         # Products as broadcast multiply + sum, not matmuls: with a handful of query rows a BLAS call
         # costs more to dispatch than to run, while inductor fuses these into the softmax's loops.
-        old = (qg * k_window[i][:, :, None]).sum(-1) * scale + old_bias
-        new = (qg * k[:, :, None]).sum(-1) * scale + new_bias
-        top = torch.maximum(old.amax(-1, keepdim=True), new.amax(-1, keepdim=True))
-        p_old, p_new = (old - top).exp(), (new - top).exp()
-        total = p_old.sum(-1, keepdim=True) + p_new.sum(-1, keepdim=True)
-        mixed = ((p_old[..., None] * v_window[i][:, :, None]).sum(-2)
-                 + (p_new[..., None] * v[:, :, None]).sum(-2))
-        out = (mixed / total).view(b, c.num_heads, n, dim)
+        s = (qg * k_rows[:, :, None]).sum(-1) * scale + bias  # [B, kv, group, N, W]
+        p = (s - s.amax(-1, keepdim=True)).exp()
+        mixed = (p[..., None] * v_rows[:, :, None]).sum(-2)
+        out = (mixed / p.sum(-1)[..., None]).view(b, c.num_heads, n, dim)
         x = x + attn.merge(out)
         x = x + layer.mlp(x)
     hidden = model.norm(x)
     logits = model.logits(hidden)
     return hidden, logits, logits.argmax(-1), torch.stack(keys), torch.stack(values)
+
+
+def use_inductor_cache(directory: Path) -> None:
+    """Keep inductor's compiled artefacts in ``directory`` unless the user chose a place.
+
+    Importing ``torch._dynamo`` already sets ``TORCHINDUCTOR_CACHE_DIR`` to inductor's default under
+    ``/tmp`` (lost on reboot), so a plain ``setdefault`` never takes effect; the default is replaced
+    here, a value the user set is kept. Inductor reads the variable at each compile.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
 
 
 def window_for(end: int, capacity: int) -> int:
@@ -103,18 +124,22 @@ def window_for(end: int, capacity: int) -> int:
 
 
 class CompiledCpuRunner(ForwardRunner):
-    """Decode steps through ``step_forward``, compiled for the sizes in ``compile_sizes``.
+    """Every decode step, chain or tree, through ``step_forward``: one compiled graph for one-token
+    steps and one more, with the node count dynamic, for trees.
 
-    Prefill, drafting, fused Medusa drafts and steps of other sizes run ``ForwardRunner``'s plain
-    eager forward: prompts are one call per chunk, where dispatch overhead does not dominate.
-    ``compiled=False`` runs ``step_forward`` eagerly for every size: the reference the tests hold
-    the compiled graph to.
+    All steps share the function so that a tree node computes exactly what vanilla decoding computes
+    for it; an eager fallback for some sizes would break that. The tree graph compiles on the first
+    tree (minutes on 2 cores, like the first; inductor's cache makes later starts fast), so engines that
+    never speculate never pay for it. Prefill and drafting run ``ForwardRunner``'s plain eager forward:
+    prompts are one call per chunk, where dispatch overhead does not dominate, and they are the same
+    for both modes. Medusa heads' drafts are computed from the step's hidden states after the graph.
+    ``compiled=False`` runs ``step_forward`` eagerly: the reference the tests hold the graphs to.
     """
 
     def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None,
-                 compile_sizes: tuple[int, ...] = COMPILE_SIZES, compiled: bool = True) -> None:
+                 compiled: bool = True) -> None:
         super().__init__(model, cache, heads)
-        self.compile_sizes = compile_sizes
+        self.compiled = compiled
         self._step: Callable[..., Any] = self._bound_step
         if compiled:
             self._step = torch.compile(self._bound_step, fullgraph=True, dynamic=False)
@@ -128,21 +153,25 @@ class CompiledCpuRunner(ForwardRunner):
     def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
         n = len(tokens)
-        compiled = self._step is not self._bound_step
-        if (drafts and self.fuses_drafts) or (compiled and n not in self.compile_sizes):
-            # Eagerly, the plain forward is the faster form of the same function (it writes the cache
-            # in place and calls one attention kernel instead of materialising the products).
-            return super().decode(tokens, positions, offset, ancestors, drafts=drafts)
         if offset + n > self.cache.max_len:
             raise ValueError(f"{offset + n} tokens do not fit the KV cache of {self.cache.max_len}")
-        width = window_for(offset, self.cache.max_len)
+        # The window must hold every node's logical positions: up to offset + depth <= offset + n - 1.
+        width = window_for(offset + n, self.cache.max_len)
         k_window, v_window = self.cache.k[:, :, :, :width], self.cache.v[:, :, :, :width]
-        if compiled:
+        inputs = (torch.tensor([tokens]), torch.tensor(positions), torch.tensor(offset), k_window, v_window,
+                  self.model.causal(n) if ancestors is None else ancestors.to(torch.bool))
+        if self.compiled:
             torch._dynamo.mark_dynamic(k_window, 3)
             torch._dynamo.mark_dynamic(v_window, 3)
-        anc = self.model.causal(n) if ancestors is None else ancestors.to(torch.bool)
-        hidden, logits, greedy, keys, values = self._step(torch.tensor([tokens]), torch.tensor(positions),
-                                                          torch.tensor(offset), k_window, v_window, anc)
+            if n > 1:  # one graph for every tree size (a size of 1 is always specialised)
+                for tensor, dims in zip(inputs, ((1,), (0,), (), (), (), (0, 1)), strict=True):
+                    for dim in dims:
+                        torch._dynamo.mark_dynamic(tensor, dim)
+        hidden, logits, greedy, keys, values = self._step(*inputs)
         self.cache.k[:, :, :, offset:offset + n] = keys
         self.cache.v[:, :, :, offset:offset + n] = values
-        return StepOutputs(hidden[0], logits[0], greedy[0])
+        if not (drafts and self.fuses_drafts):
+            return StepOutputs(hidden[0], logits[0], greedy[0])
+        assert self.heads is not None and not expands(self.heads)
+        top_tokens, top_logprobs = draft_topk(self.model, self.heads, hidden[0], DRAFT_TOPK)
+        return StepOutputs(hidden[0], logits[0], greedy[0], top_tokens, top_logprobs)
