@@ -9,6 +9,7 @@ recorded (node, call) pairs keeps that second execution out of the audit trail.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from elesium.inference.records import Generation, StepRecord
@@ -21,9 +22,18 @@ def calls_key(log: AcceptanceLog, run_id: str) -> str:
 
 
 def call_entries(
-    run_id: str, node: str, call_index: int, call_seed: int, gen: Generation, first_step_id: int
+    run_id: str,
+    node: str,
+    call_index: int,
+    call_seed: int,
+    gen: Generation,
+    first_step_id: int,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    temperature: float | None = None,
 ) -> list[AcceptanceEntry]:
-    """The entries of one call: its ``call`` entry, then one per verification step."""
+    """The entries of one call: its ``call`` entry (with the prompt's token ids, when given), then one
+    per verification step."""
     prefill = StepRecord(
         step=0,
         mode=gen.mode,
@@ -42,6 +52,8 @@ def call_entries(
         call_index=call_index,
         call_seed=call_seed,
         tokens=tuple(gen.token_ids),
+        prompt=tuple(prompt_ids) if prompt_ids is not None else None,
+        temperature=temperature,
     )
     steps = [
         AcceptanceEntry(
@@ -58,7 +70,15 @@ def call_entries(
 
 
 def record_call(
-    log: AcceptanceLog, run_id: str, node: str, call_index: int, call_seed: int, gen: Generation
+    log: AcceptanceLog,
+    run_id: str,
+    node: str,
+    call_index: int,
+    call_seed: int,
+    gen: Generation,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    temperature: float | None = None,
 ) -> bool:
     """Append the call's entries unless this (node, call) is already recorded; True when written.
 
@@ -66,17 +86,20 @@ def record_call(
     or loses its lease between the two cannot leave a call marked but missing.
     """
     first = log.length(run_id)
-    entries = call_entries(run_id, node, call_index, call_seed, gen, first)
+    entries = call_entries(
+        run_id, node, call_index, call_seed, gen, first, prompt_ids=prompt_ids, temperature=temperature
+    )
     return bool(log.append_many(entries, once=(calls_key(log, run_id), f"{node}\x1f{call_index}")))
+
+
+def call_heads(log: AcceptanceLog, run_id: str) -> list[AcceptanceEntry]:
+    """The ``call`` entries of the run (one per LLM call, in call order), without their steps."""
+    return [e for e in log.iter_entries(run_id) if e.kind == "call"]
 
 
 def call_tokens(log: AcceptanceLog, run_id: str) -> list[tuple[str, int, int, tuple[int, ...]]]:
     """(node, call index, call seed, tokens) of every call of the run, in call order."""
-    return [
-        (e.node_id, e.call_index or 0, e.call_seed or 0, e.tokens or ())
-        for e in log.iter_entries(run_id)
-        if e.kind == "call"
-    ]
+    return [(e.node_id, e.call_index or 0, e.call_seed or 0, e.tokens or ()) for e in call_heads(log, run_id)]
 
 
 def comparable_entries(log: AcceptanceLog, run_id: str) -> list[dict[str, Any]]:

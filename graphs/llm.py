@@ -189,7 +189,9 @@ def call_llm(
     )
     run.on_llm_end(LLMResult(generations=[[ChatGeneration(message=final)]]))
     if ctx.log is not None:
-        record_call(ctx.log, ctx.run_id, node, call_index, seed, gen)
+        # The prompt's ids beside the answer: ``train-heads --from-log`` distils from the pair.
+        record_call(ctx.log, ctx.run_id, node, call_index, seed, gen,
+                    prompt_ids=ctx.engine.encode_prompt(messages), temperature=sampling.temperature)
     return LLMCall(
         node=node,
         call_index=call_index,

@@ -69,6 +69,10 @@ class AcceptanceEntry(BaseModel):
         call_index: the LLM call's index among its node's calls in the run (None outside workflows).
         call_seed: the call's sampling seed, derived from (run seed, node, call index).
         tokens: on "call" entries, every token id the call produced, in order.
+        prompt: on "call" entries, the token ids the call was prompted with (chat template applied):
+            with ``tokens``, the (context, answer) pair ``train-heads --from-log`` distils from. None on
+            entries written before it was recorded.
+        temperature: on "call" entries, the call's sampling temperature (0: greedy).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -82,6 +86,8 @@ class AcceptanceEntry(BaseModel):
     call_index: int | None = Field(default=None, ge=0)
     call_seed: int | None = None
     tokens: tuple[int, ...] | None = None
+    prompt: tuple[int, ...] | None = None
+    temperature: float | None = None
 
     def to_fields(self) -> dict[str, str]:
         """The stream entry's fields: flat, readable in ``redis-cli XRANGE``."""
@@ -100,6 +106,10 @@ class AcceptanceEntry(BaseModel):
             fields["call_seed"] = str(self.call_seed)
         if self.tokens is not None:
             fields["tokens"] = json.dumps(list(self.tokens), separators=(",", ":"))
+        if self.prompt is not None:
+            fields["prompt"] = json.dumps(list(self.prompt), separators=(",", ":"))
+        if self.temperature is not None:
+            fields["temperature"] = repr(self.temperature)
         return fields
 
     @classmethod
@@ -115,6 +125,8 @@ class AcceptanceEntry(BaseModel):
             call_index=int(text["call_index"]) if "call_index" in text else None,
             call_seed=int(text["call_seed"]) if "call_seed" in text else None,
             tokens=tuple(json.loads(text["tokens"])) if "tokens" in text else None,
+            prompt=tuple(json.loads(text["prompt"])) if "prompt" in text else None,
+            temperature=float(text["temperature"]) if "temperature" in text else None,
         )
 
 

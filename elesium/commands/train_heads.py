@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
 from elesium.inference.training.train_config import TrainConfig
 
 
@@ -27,6 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", type=Path, default=d.data,
                    help="distillation JSONL(.gz) from an earlier run "
                    "(default: generate, save to OUT/distill.jsonl.gz)")
+    p.add_argument("--from-log", action="store_true",
+                   help="distil from the service's own traffic instead of generating: every LLM call of "
+                   "the succeeded runs in the acceptance log (prompt and answer), written to "
+                   "OUT/from-log.jsonl.gz")
+    p.add_argument("--workflow", default=None,
+                   help="with --from-log: only this workflow's runs (default: all)")
+    p.add_argument("--exclude-prompts", action="store_true",
+                   help="with --from-log: train on the answers alone; no prompt token reaches the data file")
+    p.add_argument("--prefix", default="elesium",
+                   help="with --from-log: key root of the runs and acceptance logs (default: elesium)")
     p.add_argument("--prompts", type=int, default=d.prompts,
                    help="prompts to generate when --data is not given")
     p.add_argument("--distill-only", action="store_true",
@@ -75,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-intermediate", type=int, default=d.drafter_intermediate,
                    help="the drafter layer's MLP width (default: the base model's)")
     add_model_args(p)
+    add_state_args(p)
     p.set_defaults(handler=run)
 
 
@@ -91,6 +103,21 @@ def run(args: argparse.Namespace) -> int:
     if args.drafter != "none" and args.kind != "hydra":
         raise CliError("--drafter attention drafts level 1 for hydra heads; "
                        "add --drafter none for --kind medusa")
+    if not args.from_log:
+        only = (("--workflow", args.workflow is not None), ("--exclude-prompts", args.exclude_prompts))
+        for flag, given in only:
+            if given:
+                raise CliError(f"{flag} goes with --from-log")
+    elif args.data is not None or args.distill_only:
+        raise CliError("--from-log reads its data from the runs; it goes with neither --data nor "
+                       "--distill-only")
+    elif args.workflow is not None:
+        from elesium.graphs.registry import UnknownWorkflowError, default_registry
+
+        try:
+            default_registry().get(args.workflow)
+        except UnknownWorkflowError as exc:
+            raise CliError(str(exc)) from None
     if args.data is not None and not args.data.exists():
         raise FileNotFoundError(f"--data file not found: {args.data}")
     if args.eval_prompts is not None and not args.eval_prompts.exists():
@@ -107,7 +134,37 @@ def run(args: argparse.Namespace) -> int:
         drafter_batch=args.drafter_batch, drafter_lr=args.drafter_lr,
         drafter_intermediate=args.drafter_intermediate,
         command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     engine = load_engine(args)
-    train(cfg, engine, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.from_log:
+        cfg.data, cfg.prompt_source = traffic_data(args, engine.weights_info.sha256, say)
+    train(cfg, engine, log=say)
     print(cfg.out)
     return 0
+
+
+def traffic_data(args: argparse.Namespace, model_sha256: str, say: Callable[[str], None]) -> tuple[Path, str]:
+    """``--from-log``: the succeeded runs' LLM calls as a distillation file in OUT; (path, prompt source)."""
+    from elesium.cli import CliError
+    from elesium.graphs.traffic import records_from_log
+    from elesium.inference.prompts import write_jsonl
+    from elesium.state.acceptance_log import AcceptanceLog, Retention
+    from elesium.state.connection import default_url
+    from elesium.state.runs import RunRegistry
+
+    url = default_url(settings_from_args(args))
+    runs = RunRegistry.from_url(url, prefix=f"{args.prefix}:runs")
+    log = AcceptanceLog.from_url(url, prefix=f"{args.prefix}:acc", retention=Retention(maxlen=None))
+    data = records_from_log(runs, log, model_sha256=model_sha256, workflow=args.workflow,
+                            include_prompts=not args.exclude_prompts)
+    if len({r["id"] for r in data.records}) < 2:
+        which = f" of {args.workflow}" if args.workflow else ""
+        raise CliError(f"--from-log needs LLM calls from at least 2 succeeded runs{which} of this model "
+                       f"(one is held out); found {data.describe()}")
+    say(f"from the log: {data.describe()}")
+    path = write_jsonl(args.out / "from-log.jsonl.gz", data.records)
+    workflows = sorted({r["task"].split("/")[0] for r in data.records})
+    what = "answers only (--exclude-prompts)" if args.exclude_prompts else "prompts and answers"
+    return path, f"the acceptance log: {data.runs} succeeded runs of {', '.join(workflows)}, {what}"

@@ -340,7 +340,7 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
                      "temperatures": sorted({r["sampling"]["temperature"] for r in records}),
                      "max_new_tokens": max(r["sampling"]["max_new_tokens"] for r in records),
                      "tasks": dict(sorted(tasks.items())),
-                     "prompt_source": "elesium/data/distill_templates.jsonl (not MT-Bench)",
+                     "prompt_source": cfg.prompt_source,
                      "created": records[0].get("created") if records else None},
             **({"drafter": drafter_block} if drafter is not None else {}),
         },

@@ -56,5 +56,7 @@ class TrainConfig:
     drafter_batch: int = 32             # whole sequences per drafter step
     drafter_lr: float = 1e-3
     drafter_intermediate: int | None = None  # the drafter layer's MLP width (None: the base model's)
+    # what the data's prompts are, for the manifest (train-heads --from-log names the runs instead)
+    prompt_source: str = "elesium/data/distill_templates.jsonl (not MT-Bench)"
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
