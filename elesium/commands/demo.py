@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mode",
         choices=["vanilla", "speculative", "typical"],
         default=None,
-        help="decode mode of the LLM nodes (default: speculative when draft heads are loaded, to show "
-        "the acceptance log; the engine's own default on this device may be vanilla)",
+        help="decode mode of the LLM nodes (default: the engine's own choice on this device: speculative "
+        "where its tuned profile says speculation pays, as on the H200; vanilla on a CPU where it does not)",
     )
     add_model_args(p)
     add_state_args(p)
@@ -74,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     url = default_url(settings_from_args(args))
     _say(f"state: {url}")
     engine = load_engine(args)
-    mode = args.mode or ("speculative" if len(engine.modes) > 1 else "vanilla")
-    _say(f"model: {engine.weights_info.source.name} on {engine.model.device} (decode mode {mode})")
+    mode = args.mode or engine.default_mode
+    why = "" if args.mode else f"; {engine.mode_reason}"
+    _say(f"model: {engine.weights_info.source.name} on {engine.model.device} (decode mode {mode}{why})")
     key = "demo-" + secrets.token_hex(8)
     app = create_app(ApiSettings(api_keys={key: "demo"}, redis_url=url), engine=engine)
     with BackgroundServer(app) as base, ElesiumClient(base, api_key=key) as client:
