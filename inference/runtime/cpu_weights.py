@@ -319,8 +319,9 @@ def resolve_cpu_weights(setting: str, device: torch.device, dtype_asked: str) ->
     no 4-bit form) unless a dtype was asked for: ``--dtype float32`` keeps the float32 reference, and
     any other dtype runs as asked. On a quiet 2-core machine the fast path with its compiled step
     decodes ~4x faster than the reference (BENCHMARKS.md section 10b). Its greedy text is not the
-    reference's token for token (bfloat16 activations into the int4 kernel), and CPU attention is not
-    row-invariant, so the engine does not speculate on it by default (no tuned profile). Not on CUDA:
+    reference's token for token (bfloat16 activations into the int4 kernel); greedy speculative output
+    equals its own vanilla output (the compiled step, ``cpu_step.py``), and whether the engine speculates
+    by default follows the tuned profile (vanilla on the shipped 2-core ones). Not on CUDA:
     GPU runs keep their own dtype handling ("float32" here means "change nothing").
     """
     if device.type != "cpu":
