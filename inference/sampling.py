@@ -91,6 +91,21 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
     return idx
 
 
+def sample_on_device(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sample_from`` without reading anything back: the same token, as a 0-d tensor on ``probs``'s
+    device, so that a captured CUDA graph can pick it (``runtime/decode_chain.py``).
+
+    ``u`` is the float64 uniform as a 1-element tensor. The scaled target is the same IEEE product as
+    the host's ``u * float(cdf[-1])``, and the walk down over zero-probability tokens becomes "the
+    last token at or before the draw whose probability is positive, else 0", which is where that
+    loop stops.
+    """
+    cdf = probs.double().cumsum(0)
+    idx = torch.searchsorted(cdf, u.double() * cdf[-1:], right=True).clamp(max=probs.shape[0] - 1)
+    pos = torch.arange(probs.shape[0], device=probs.device)
+    return torch.where((probs > 0) & (pos <= idx), pos, 0).amax()
+
+
 class Sampler:
     """Seeded source of uniforms; one per generation, consumed in a fixed order."""
 
@@ -100,6 +115,11 @@ class Sampler:
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self._gen, dtype=torch.float64))
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """The next ``n`` uniforms at once, float64: the values ``n`` calls of ``uniform`` would return
+        (tests/test_sampling_device.py holds torch to that)."""
+        return torch.rand(n, generator=self._gen, dtype=torch.float64)
 
     def pick(self, logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None) -> int:
         """Greedy argmax, or a draw from the target distribution (both within ``allowed``, if given)."""

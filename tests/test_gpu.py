@@ -35,12 +35,12 @@ PROMPTS = 6  # MT-Bench first turns per check
 TOKENS = 96
 
 
-def load(dtype: str, graphs: bool = True, invariant: str = "on"):
+def load(dtype: str, graphs: bool = True, invariant: str = "on", max_len: int | None = None):
     from elesium.config import Settings
     from elesium.inference.engine import Engine
 
     settings = Settings.from_env().with_overrides(invariant_numerics=invariant)
-    return Engine.load(device="cuda", dtype=dtype, cuda_graphs=graphs, settings=settings)
+    return Engine.load(device="cuda", dtype=dtype, cuda_graphs=graphs, settings=settings, max_len=max_len)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +157,49 @@ def test_invariant_kernels_bf16() -> None:
         alone = invariant_tree_attention(q[:, :, node:node + 1], kk, vv, prefix + len(path) - 1,
                                          torch.ones(1, 1, dtype=torch.bool, device=dev))
         assert torch.equal(alone[:, :, 0], out[:, :, node]), f"node {node}"
+
+
+def test_decode_chain_equals_synchronous_steps_and_stops_exactly(bf16, mt_bench_prompts) -> None:
+    """Vanilla on CUDA runs a self-feeding graph with replays in flight (runtime/decode_chain.py): its
+    tokens are the synchronous bucket-1 graph's, greedy and seeded sampled alike (the pick runs on the
+    device with the run's own uniforms), and stops (max_tokens, a stop string, a full cache) land exactly
+    where they would, with the replays still in flight harmless to the next generation."""
+    runner = bf16.runner
+    prompts = mt_bench_prompts[:4]
+    params = SamplingParams(max_tokens=80)
+    sampled = [SamplingParams(max_tokens=80, temperature=0.7, top_p=0.9, seed=s) for s in range(3)]
+    sampled.append(SamplingParams(max_tokens=80, temperature=1.1, top_k=20, seed=9))
+
+    def run_all(chains: bool) -> list[tuple[int, ...]]:
+        runner.chains = chains
+        try:
+            return ([bf16.generate(p, params, mode="vanilla").token_ids for p in prompts]
+                    + [bf16.generate(p, q, mode="vanilla").token_ids for p, q in zip(prompts, sampled)])
+        finally:
+            runner.chains = True
+
+    graphs_before = len(runner._chains)
+    both = run_all(True)
+    assert len(runner._chains) >= min(4, graphs_before + 1), "vanilla did not take the chained graphs"
+    for i, (a, b) in enumerate(zip(both, run_all(False))):
+        what = "greedy" if i < len(prompts) else f"sampled ({sampled[i - len(prompts)]})"
+        assert a == b, f"run {i}, {what}: chained and synchronous steps diverge at token {_diverge(a, b)}"
+    chained = both[:len(prompts)]
+    for cut in (1, 2, 5):
+        short = bf16.generate(prompts[0], SamplingParams(max_tokens=cut), mode="vanilla")
+        assert short.token_ids == chained[0][:cut] and short.finish_reason == "length"
+        # Replays that were in flight when it stopped wrote only past its end: the next run is unharmed.
+        assert bf16.generate(prompts[1], params, mode="vanilla").token_ids == chained[1]
+    windows = (bf16.tokenizer.decode(list(chained[2][i:i + 3])) for i in range(10, 60))
+    stop_text = next(t for t in windows if t.strip())
+    stopped = bf16.generate(prompts[2], SamplingParams(max_tokens=80, stop=(stop_text,)), mode="vanilla")
+    assert stopped.finish_reason == "stop" and stop_text not in stopped.text
+    assert stopped.token_ids == chained[2][:len(stopped.token_ids)]
+    ids = bf16.encode_prompt(prompts[3])
+    small = load("bfloat16", max_len=len(ids) + 9)
+    full = small.generate(prompts[3], params, mode="vanilla")
+    assert full.finish_reason == "length" and full.token_ids == chained[3][:len(full.token_ids)]
+    assert len(ids) + len(full.token_ids) >= small.context_length
 
 
 def test_sampled_speculative_is_exact_on_device() -> None:

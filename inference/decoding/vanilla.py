@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from elesium.inference.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from elesium.inference.constraints import GrammarState
+    from elesium.inference.runtime.decode_chain import DecodeChain
 
 
 class VanillaDecoder:
@@ -31,6 +33,10 @@ class VanillaDecoder:
         self.offset = 0
         self.pending = -1
         self.steps = 0
+        # Unconstrained steps on CUDA come from a self-feeding graph (runtime.decode_chain); set up on
+        # the first step, None where the runner has none.
+        self._chain: DecodeChain | None = None
+        self._chain_tried = False
 
     def prefill(self, prompt_ids: list[int]) -> int:
         hidden = self.runner.prefill(prompt_ids)
@@ -46,12 +52,22 @@ class VanillaDecoder:
         return token
 
     def step(self, room: int = 1) -> tuple[list[int], StepRecord]:
+        """One token. ``room``: cache slots left; with ``max_tokens`` it bounds how far a greedy chain
+        may run ahead of what the caller will take."""
         start = time.perf_counter()
-        out = self.runner.decode([self.pending], [self.offset], self.offset)
-        if self.params.greedy and self.grammar is None:
-            token = int(out.greedy[0])
+        greedy = self.params.greedy and self.grammar is None
+        # Tokens still wanted after the prefill's and the earlier steps' (a stop may end it sooner).
+        wanted = max(1, min(room, self.params.max_tokens - 1 - self.steps))
+        if self.grammar is None and not self._chain_tried:
+            self._chain_tried = True
+            # A chain takes every uniform this generation can still consume, in the host's order.
+            draw = None if greedy else functools.partial(self.sampler.uniforms, wanted)
+            self._chain = self.runner.decode_chain(self.pending, self.offset, self.params, draw)
+        if self._chain is not None:
+            token = self._chain.next_token(wanted)
         else:
-            token = self._choose(out.logits[0])
+            out = self.runner.decode([self.pending], [self.offset], self.offset)
+            token = int(out.greedy[0]) if greedy else self._choose(out.logits[0])
         self.offset += 1
         self.pending = token
         record = StepRecord(step=self.steps, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,

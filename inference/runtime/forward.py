@@ -10,16 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, FactoredHeads, expands
 from elesium.inference.runtime.model import KVCache, Transformer
 
+if TYPE_CHECKING:
+    from elesium.inference.runtime.decode_chain import DecodeChain
+    from elesium.inference.sampling import SamplingParams
+
 PREFILL_CHUNK = 512
 T = TypeVar("T")
 DRAFT_TOPK = 10  # candidates per head computed in a fused step; trees use at most this many ranks
+MAX_CHAIN_GRAPHS = 8  # sampling settings that get their own self-feeding vanilla graph per runner
 TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Tree sizes (nodes, root included) that get their own CUDA graph: a tree runs in the smallest bucket
 that holds it. The tuner measures the forward's cost at the same sizes, so its curve covers exactly
@@ -120,6 +125,12 @@ class ForwardRunner:
             drafter(self.model, hidden[None, lo:hi], tokens[None, lo:hi], positions, *self.drafter_cache,
                     start + lo, self.model.causal(hi - lo))
 
+    def decode_chain(self, token: int, offset: int, params: SamplingParams,
+                     draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:
+        """Self-feeding vanilla steps from ``token`` at slot ``offset``, where the runner has them
+        (CUDA graphs); None here: eager steps are synchronous anyway."""
+        return None
+
     @property
     def fuses_drafts(self) -> bool:
         """Whether verification steps also compute the next step's drafts (Medusa heads only: Hydra
@@ -205,6 +216,43 @@ class CudaGraphRunner(ForwardRunner):
         self._expanders: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor],
                                                      tuple[torch.Tensor, ...]]] = {}
         self._pool = None
+        # The self-feeding 1-token graphs (decode_chain), one per sampling setting, and the buffers they
+        # read (state, the constant ancestor row, the uniforms): all kept alive, so that neither the
+        # allocator nor later captures reuse their memory while a graph still reads or writes it.
+        self._chains: dict[tuple[float, int, float], tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self._chain_io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.chains = True  # off: vanilla steps take the synchronous bucket-1 graph (A/B runs)
+
+    def decode_chain(self, token: int, offset: int, params: SamplingParams,
+                     draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:
+        """Vanilla steps that feed themselves on the device (``decode_chain.DecodeChain``).
+
+        One graph per sampling setting, captured on first use with the call's real inputs like the
+        step graphs: warm-up runs two real steps (slots ``offset`` and ``offset + 1``), whose writes the
+        chain's first replays make again or overwrite. So it needs two free slots; otherwise, or past
+        ``MAX_CHAIN_GRAPHS`` settings, the caller decodes synchronously. ``draw`` returns the
+        generation's uniforms when sampling (float64, one per token the chain may take); it is called
+        only once the chain is sure to start, so a caller that falls back still has them.
+        """
+        from elesium.inference.runtime.decode_chain import STATE, DecodeChain, chain_body
+
+        limit = self.cache.max_len
+        key = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        if not self.chains or offset + 2 > limit or (
+                key not in self._chains and len(self._chains) >= MAX_CHAIN_GRAPHS):
+            return None
+        if self._chain_io is None:
+            self._chain_io = (torch.zeros(STATE, dtype=torch.long, device=self.device),
+                              torch.ones(1, 1, dtype=torch.bool, device=self.device),
+                              torch.zeros(limit, dtype=torch.float64, device=self.device))
+        state, self_row, draws = self._chain_io
+        if draw is not None:
+            uniforms = draw()
+            draws[:len(uniforms)].copy_(uniforms)
+        if key not in self._chains:
+            state.copy_(torch.tensor([token, offset, 0]))
+            self._chains[key] = self._record(chain_body(self.step_outputs, state, self_row, draws, params))
+        return DecodeChain(self._chains[key][0], state, token, offset, limit)
 
     def set_heads(self, heads: DraftHeads | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
@@ -287,6 +335,24 @@ class CudaGraphRunner(ForwardRunner):
             out = body()
         self._pool = graph.pool()
         return graph, out
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
+        """The prompt in chunks of the largest bucket, each replaying that bucket's step graph with a
+        causal ancestor block: an eager prefill launches ~300 kernels a layer's worth at a time, which
+        on an H200 costs more than the work (and every generation pays it before its first token).
+
+        Same function as the eager prefill, and under invariant numerics the same bits: a row's result
+        depends neither on how many rows the forward holds nor on the offset being a tensor.
+        """
+        chunk = self.buckets[-1]
+        outs = []
+        for lo in range(0, len(prompt_ids), chunk):
+            part = prompt_ids[lo:lo + chunk]
+            at = start + lo
+            out = self.decode(part, list(range(at, at + len(part))), at)
+            outs.append(out.hidden.clone())  # a view into the bucket's static output until cloned
+        return torch.cat(outs)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], offset: int,
