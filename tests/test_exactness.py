@@ -48,14 +48,14 @@ def tiny():
 
 
 def assert_samples_exact(model, heads, policy, temperature: float, seed: int, label: str,
-                         runner_type: type[ForwardRunner] = ForwardRunner) -> None:
-    """SAMPLES speculative two-token continuations must fit the base model's exact joint (chi-square p >
-    0.01)."""
+                         runner_type: type[ForwardRunner] = ForwardRunner, samples: int = SAMPLES) -> None:
+    """``samples`` speculative two-token continuations must fit the base model's exact joint (chi-square
+    p > 0.01)."""
     params = SamplingParams(temperature=temperature, top_p=0.9)
     expected = exact_joint(model, PREFIX, FIRST, params, 2)
-    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, SAMPLES, seed=seed,
+    counts = speculative_samples(model, heads, policy, PREFIX, FIRST, params, 2, samples, seed=seed,
                                  runner_type=runner_type)
-    p = chi_square_p(counts, expected, SAMPLES)
+    p = chi_square_p(counts, expected, samples)
     print(f"{label}: chi-square p = {p:.3f}")
     assert p > 0.01, f"speculative samples do not fit the base distribution (p = {p:.2e})"
 
@@ -95,12 +95,16 @@ class EagerCpuStep(CompiledCpuRunner):
 
 
 def test_sampling_through_the_cpu_step_is_exact(tiny):
-    """Verification through the CPU fast path's forward (attention in each node's logical key order)."""
+    """Verification through the CPU fast path's forward (attention in each node's logical key order).
+
+    Fewer samples than the tests above: each one is a dozen tiny forwards through more ops than the
+    plain forward (~3 minutes of the suite at SAMPLES), and test_cpu_step.py already holds every
+    node's logits bitwise to its one-token decode; this checks the sampling walk on top of it."""
     model, _ = tiny
     heads = with_random_drafter(random_hydra_heads(32, 3, seed=6, conditioning="concat"), model.config,
                                 seed=8)
     assert_samples_exact(model, heads, DYNAMIC, 1.3, seed=17, label="exact cpu step T=1.3",
-                         runner_type=EagerCpuStep)
+                         runner_type=EagerCpuStep, samples=6_000)
 
 
 def wrong_residual(tree, node_tokens, logits, params, sampler):
