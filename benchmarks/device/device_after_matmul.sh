@@ -18,13 +18,7 @@ CARRY=${CARRY:-/root/whl}
 source "$(dirname "$0")/device_model.sh"
 source "$(dirname "$0")/device_env.sh"
 export ELESIUM_MODEL=$M ELESIUM_INVARIANT_NUMERICS=on
-S="$OUT/summary.md"
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
-triton.__version__)"
-  echo "start $(date -u +%FT%TZ)"
-} 2>&1 | tee "$S"
+source "$(dirname "$0")/device_bench_fns.sh"
 
 echo "== 1. pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"
 ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-170} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
@@ -35,10 +29,6 @@ timeout ${KERNELS_S:-80} python3 -P -m pytest -m gpu tests/test_invariant_kernel
   >"$OUT/pytest_kernels.log" 2>&1
 echo "exit $?; $(tail -1 "$OUT/pytest_kernels.log")" | tee -a "$S"
 
-# The bench command through its module: `elesium.cli` imports every subcommand, some of them langgraph,
-# which the device lacks (and the bench does not need).
-BENCH="import argparse, sys; from elesium.commands import bench; p = argparse.ArgumentParser(); \
-bench.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
 echo "== 2. elesium bench, 80 MT-Bench prompts x 128 tokens, T=0, bf16, graphs, invariant on ($(date -u +%T))" | tee -a "$S"
 ELESIUM_CACHE_DIR=/root/cache_bench timeout ${BENCH_S:-200} python3 -P -c "$BENCH" bench \
   --prompts tests/data/mt_bench_questions.jsonl --max-tokens 128 --out /root/bench_after >"$OUT/bench.log" 2>&1

@@ -21,36 +21,8 @@ CARRY=${CARRY:-/root/whl}
 source "$(dirname "$0")/device_model.sh"
 source "$(dirname "$0")/device_env.sh"
 export ELESIUM_MODEL=$M ELESIUM_INVARIANT_NUMERICS=on
-S="$OUT/summary_$PART.md"
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
-triton.__version__)"
-  echo "part $PART start $(date -u +%FT%TZ) checkout $(git rev-parse --short HEAD 2>/dev/null)"
-} 2>&1 | tee "$S"
-# The bench command through its module: `elesium.cli` imports every subcommand, some of them langgraph,
-# which the device lacks (and the bench does not need).
-BENCH="import argparse, sys; from elesium.commands import bench; p = argparse.ArgumentParser(); \
-bench.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
-summary() {  # bench.json -> one table row
-  python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
-import json, sys
-d = json.load(open(sys.argv[1]))
-s = d.get("speculative", {})
-print("T | prompts | identical | vanilla ms/token | speculative ms/token | speedup | tau | accept by depth")
-print(d.get("temperature"), "|", d.get("prompts"), "|", d.get("identical_outputs"),
-      "|", d["vanilla"].get("ms_per_token"), "|", s.get("ms_per_token"), "|", d.get("speedup"), "|",
-      s.get("mean_accepted"), "|", s.get("accept_rate_by_depth"))
-PY
-}
-bench() {  # name, timeout, prompts file, extra args
-  local name=$1 limit=$2 prompts=$3; shift 3
-  echo "== bench $name ($(date -u +%T))" | tee -a "$S"
-  ELESIUM_CACHE_DIR=/root/cache_bench timeout "$limit" python3 -P -c "$BENCH" bench --prompts "$prompts" \
-    --max-tokens 128 --out "/root/bench_$name" "$@" >"$OUT/bench_$name.log" 2>&1
-  echo "exit $?" | tee -a "$S"
-  cp "/root/bench_$name/bench.json" "$OUT/bench_$name.json" 2>/dev/null && summary "$OUT/bench_$name.json"
-}
+SUMMARY="summary_$PART.md" HEADER_NOTE="part $PART checkout $(git rev-parse --short HEAD 2>/dev/null)"
+source "$(dirname "$0")/device_bench_fns.sh"
 
 gpu_tests() {  # tests/test_gpu.py alone: the interpreter tests set TRITON_INTERPRET=1 at import
   echo "== pytest -m gpu tests/test_gpu.py ($(date -u +%T))" | tee -a "$S"

@@ -17,18 +17,8 @@ CARRY=${CARRY:-/root/whl}
 source "$(dirname "$0")/device_model.sh"
 source "$(dirname "$0")/device_env.sh"
 export ELESIUM_MODEL=$M ELESIUM_INVARIANT_NUMERICS=on
-S="$OUT/summary.md"
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
-triton.__version__)"
-  echo "start $(date -u +%FT%TZ)"
-} 2>&1 | tee "$S"
+source "$(dirname "$0")/device_bench_fns.sh"
 
-# The bench command through its module: `elesium.cli` imports every subcommand, some of them langgraph,
-# which the device lacks (and the bench does not need).
-BENCH="import argparse, sys; from elesium.commands import bench; p = argparse.ArgumentParser(); \
-bench.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
 echo "== 1. elesium bench, 80 MT-Bench prompts x 128 tokens, T=0.7, bf16, graphs, invariant on ($(date -u +%T))" \
   | tee -a "$S"
 ELESIUM_CACHE_DIR=/root/cache_bench timeout ${BENCH_S:-180} python3 -P -c "$BENCH" bench \

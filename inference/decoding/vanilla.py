@@ -52,7 +52,7 @@ class VanillaDecoder:
         return token
 
     def step(self, room: int = 1) -> tuple[list[int], StepRecord]:
-        """One token. ``room``: cache slots left; with ``max_tokens`` it bounds how far a greedy chain
+        """One token. ``room``: cache slots left; with ``max_tokens`` it bounds how far a chain
         may run ahead of what the caller will take."""
         start = time.perf_counter()
         greedy = self.params.greedy and self.grammar is None
