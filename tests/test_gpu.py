@@ -296,3 +296,40 @@ def test_fused_kernels_bf16() -> None:
         assert torch.equal(q1[:, :, 0], q[:, :, i])
         assert torch.equal(k1[:, :, 1000 + i], kc[:, :, 1000 + i])
         assert torch.equal(v1[:, :, 1000 + i], vc[:, :, 1000 + i])
+
+
+def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -> None:
+    """Greedy speculative steps as one self-feeding graph (runtime/tree_chain.py: drafting, the tree on
+    the device, verification, acceptance, K/V moves): vanilla's tokens, as the host tree step gives
+    them; stops exact and harmless to the next run; a nearly full cache hands back to the host path."""
+    runner = bf16.runner
+    prompts = mt_bench_prompts[:PROMPTS]
+    params = SamplingParams(max_tokens=TOKENS)
+    vanilla = [bf16.generate(p, params, mode="vanilla").token_ids for p in prompts]
+
+    def spec(chains: bool, prompt: str, p: SamplingParams = params):
+        runner.tree_chains = chains
+        try:
+            return bf16.generate(prompt, p, mode="speculative")
+        finally:
+            runner.tree_chains = True
+
+    chained = [spec(True, p) for p in prompts]
+    assert runner._tree_chains, "speculative decoding did not take the device tree step"
+    host = [spec(False, p) for p in prompts]
+    for i, (c, h, v) in enumerate(zip(chained, host, vanilla)):
+        assert c.token_ids == v, f"prompt {i}: chained tree steps diverge at token {_diverge(c.token_ids, v)}"
+        assert h.token_ids == v, f"prompt {i}: host tree steps diverge at token {_diverge(h.token_ids, v)}"
+    taus = [c.mean_accepted for c in chained]
+    print(f"tree chain: tau {taus} (host path {[h.mean_accepted for h in host]})")
+    assert max(taus) > 1.5, "the chain accepted almost nothing: the check would be vacuous"
+    for cut in (1, 2, 5):
+        short = spec(True, prompts[0], SamplingParams(max_tokens=cut))
+        assert short.token_ids == vanilla[0][:cut] and short.finish_reason == "length"
+        assert spec(True, prompts[1]).token_ids == vanilla[1]  # steps in flight left no trace
+    ids = bf16.encode_prompt(prompts[2])
+    small = load("bfloat16", max_len=len(ids) + 70)  # room for the chain to start, not to finish
+    full = small.generate(prompts[2], params, mode="speculative")
+    assert small.runner._tree_chains, "the small engine's chain did not start"
+    assert full.finish_reason == "length" and full.token_ids == vanilla[2][:len(full.token_ids)]
+    assert len(ids) + len(full.token_ids) >= small.context_length

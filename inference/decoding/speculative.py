@@ -35,6 +35,7 @@ from elesium.inference.decoding.verify import Verdict, verify_greedy, verify_sam
 from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, expands
 from elesium.inference.records import DecodeMode, StepRecord, normalize_mode
 from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_topk
+from elesium.inference.runtime.tree_chain import ChainStep, TreeChain, TreeShape
 from elesium.inference.sampling import Sampler, SamplingParams, greedy_token
 
 
@@ -67,6 +68,12 @@ class TreeDecoder:
         self.row_start = 0
         self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
         self.steps = 0
+        self.emitted = 0  # tokens committed by the steps so far
+        # Greedy Hydra steps on CUDA come from a self-feeding graph (runtime.tree_chain) until the
+        # cache is too full for another fixed-size step; None where the runner has none.
+        self._chain: TreeChain | None = None
+        self._chain_tried = False
+        self._chain_nodes = 0
 
     def prefill(self, prompt_ids: list[int]) -> int:
         hidden = self.runner.prefill(prompt_ids)
@@ -122,9 +129,54 @@ class TreeDecoder:
                                                        width, self.policy.draft_topk())
         return Expansion.from_device(tokens, logprobs, parents, width, self.policy.draft_temperature)
 
+    def _chainable(self) -> bool:
+        return (self._array_tree() and self.params.greedy and self.mode == "speculative"
+                and self.rows is not None)
+
+    def _chain_step(self, room: int | None, start: float) -> tuple[list[int], StepRecord] | None:
+        """The next step from the device chain, or None when there is (no longer) one: then the
+        chain's state is the host's again and the caller takes the host path."""
+        if not self._chain_tried:
+            self._chain_tried = True
+            if self._chainable():
+                assert self.rows is not None
+                shape = TreeShape(self.policy.max_nodes, self.policy.expand_width, self.policy.draft_topk())
+                limit = self.runner.cache.max_len if room is None else self.offset + room
+                self._chain = self.runner.tree_chain(shape, self.pending, self.offset, self.rows,
+                                                     self.row_tokens, self.row_start,
+                                                     self.policy.draft_temperature, limit)
+        if self._chain is None:
+            return None
+        self._chain_nodes = self._chain.nodes
+        wanted = max(1, self.params.max_tokens - 1 - self.emitted)
+        got = self._chain.next_step(wanted)
+        if got is None:
+            self.pending, self.offset, self.row_start, self.row_tokens, self.rows = self._chain.hand_back()
+            self.hidden = self.rows[-1]
+            self._chain = None
+            return None
+        return got.tokens, self._chain_record(got, start)
+
+    def _chain_record(self, got: ChainStep, start: float) -> StepRecord:
+        self.offset += len(got.tokens)
+        self.pending = got.tokens[-1]
+        accepted_depth = len(got.path) - 1
+        record = StepRecord(
+            step=self.steps, mode=self.mode, tree_size=self._chain_nodes, tree_depth=got.tree_depth,
+            accepted_length=len(got.tokens), accepted_nodes=tuple(got.path), tokens=tuple(got.tokens),
+            accepted_by_depth=tuple(d <= accepted_depth for d in range(1, got.tree_depth + 1)),
+            draft_temperature=self.policy.draft_temperature, elapsed_s=time.perf_counter() - start,
+            predicted=0.0, calibration=0.0)
+        self.steps += 1
+        self.emitted += len(got.tokens)
+        return record
+
     def step(self, room: int | None = None) -> tuple[list[int], StepRecord]:
         """One tree step; ``room`` caps the tree at the cache slots left before the context limit."""
         start = time.perf_counter()
+        chained = self._chain_step(room, start)
+        if chained is not None:
+            return chained
         draft_temperature = self.policy.draft_temperature
         calibration = self.policy.calibration if self.policy.kind == "dynamic" else 0.0
         drafts: DraftSet | None = None
@@ -179,6 +231,7 @@ class TreeDecoder:
             predicted=round(self.policy.predicted, 6), calibration=round(calibration, 6))
         self.policy.observe(record)
         self.steps += 1
+        self.emitted += len(committed)
         return committed, record
 
     def _verify(self, tree: Tree, node_tokens: list[int], out: StepOutputs,

@@ -1,0 +1,82 @@
+"""Greedy speculative decoding on CUDA: the self-feeding tree step against the host tree step and
+vanilla, side by side.
+
+One engine, one process; for every prompt each system runs back to back, the order rotating from
+prompt to prompt, so the machine's drift hits all alike. Systems: vanilla (its own chain), the host
+tree step (``runner.tree_chains = False``: the engine's tuned dynamic trees), and the device tree
+step (``runtime/tree_chain.py``) at each ``--nodes`` size. Records each prompt's ms/token, tokens per
+step (tau) and whether the tokens equal vanilla's; then the medians over prompts and the medians of
+per-prompt ratios to vanilla.
+
+    python benchmarks/tree_chain.py --prompts tests/data/mt_bench_questions.jsonl --max-tokens 128 \\
+        --nodes 16,32,48 --out tree_chain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=Path, required=True, help="JSONL with 'prompt' or MT-Bench 'turns'")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--nodes", default="16,32", help="device tree sizes to run (comma-separated)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    from elesium.inference.engine import Engine
+    from elesium.inference.runtime.forward import CudaGraphRunner
+    from elesium.inference.sampling import SamplingParams
+
+    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows][: args.limit]
+    engine = Engine.load(device="cuda")
+    runner = engine.runner
+    if not isinstance(runner, CudaGraphRunner) or engine.heads is None:
+        raise SystemExit("this compares CUDA-graph tree steps: no CUDA graph runner or no heads")
+    params = SamplingParams(max_tokens=args.max_tokens)
+    systems: dict[str, tuple[str, bool, object]] = {"vanilla": ("vanilla", True, None),
+                                                    "host_tree": ("speculative", False, None)}
+    for n in (int(x) for x in args.nodes.split(",")):
+        systems[f"chain_{n}"] = ("speculative", True, dataclasses.replace(engine.policy, max_nodes=n))
+
+    def run(prompt: str, name: str) -> dict:
+        mode, chains, policy = systems[name]
+        runner.tree_chains = chains
+        g = engine.generate(prompt, params, mode=mode, policy=policy)
+        return {"tokens": g.token_ids, "ms": 1000.0 * g.elapsed_s / max(1, g.new_tokens),
+                "tau": g.mean_accepted}
+
+    for name in systems:  # capture every graph before timing
+        run(prompts[0], name)
+    names = list(systems)
+    out = []
+    for i, prompt in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        res = {name: run(prompt, name) for name in order}
+        base = res["vanilla"]["tokens"]
+        out.append({"prompt": i, "tokens": len(base)} | {
+            name: {"ms_per_token": r["ms"], "tau": r["tau"], "identical": r["tokens"] == base}
+            for name, r in res.items()})
+    runner.tree_chains = True
+    summary: dict = {"prompts": len(out), "max_tokens": args.max_tokens, "engine": engine.describe(),
+                     "host_policy_max_nodes": engine.policy.max_nodes}
+    for name in names:
+        summary[name] = {
+            "ms_per_token": statistics.median(r[name]["ms_per_token"] for r in out),
+            "tau": statistics.median(r[name]["tau"] for r in out),
+            "identical_to_vanilla": sum(r[name]["identical"] for r in out),
+            "speedup_over_vanilla": statistics.median(
+                r["vanilla"]["ms_per_token"] / r[name]["ms_per_token"] for r in out)}
+    args.out.write_text(json.dumps({"summary": summary, "prompts": out}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "engine"}))
+
+
+if __name__ == "__main__":
+    main()

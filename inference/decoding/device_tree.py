@@ -1,0 +1,157 @@
+"""A Hydra step's tree choice and greedy acceptance as tensor operations, for one captured graph.
+
+The host path (``expanded_tree.py``, ``verify.verify_greedy``) reads the drafts back, chooses the tree
+with numpy, sends it to the device, and reads the verify forward's argmax back to walk the tree: two
+synchronisations a step, with the GPU idle while the host works. Here the same choice and the same
+walk are fixed-shape tensor operations, so drafting, the tree, the verify forward, acceptance and the
+KV compaction of the accepted path can be captured together and replayed without the host
+(``runtime/tree_chain.py``).
+
+What is the same as the host path, and what is not:
+
+* The candidates' scores are ``Expansion.from_arrays``'s, in the same float64 arithmetic, and the
+  chosen set is ``best_candidates``'s: the ``count`` best by score, ties to the shallower, then to the
+  lower index. A child never scores above its parent, so the set is prefix-closed (a tree).
+* The size is fixed (``count + 1`` nodes: a graph has one shape), where the host policy picks a size
+  per step from its cost curve and calibration. Nodes are numbered best first instead of in
+  ``Tree.from_paths`` order; any numbering whose parents precede their children verifies the same.
+* Greedy acceptance follows ``verify_greedy``: a node is accepted when its parent is and its token is
+  the parent's argmax. Siblings come from one top-k row and so hold distinct tokens, so at most one
+  child matches and the accepted nodes form one path: the same path and bonus token as the host walk
+  on the same tree. Greedy output therefore stays vanilla's (every node's logits are its 1-token
+  logits under invariant numerics; the tree only decides how many tokens a step keeps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpansionLayout:
+    """How ``HydraHeads.expand`` lays its rows out: level 0 is one row, each later level
+    ``min(width, rows_before * topk)`` rows, concatenated; candidate ``c = row * topk + rank``."""
+
+    level_rows: tuple[int, ...]
+    topk: int
+
+    @classmethod
+    def of(cls, levels: int, width: int, topk: int) -> ExpansionLayout:
+        rows = [1]
+        for _ in range(levels - 1):
+            rows.append(min(width, rows[-1] * topk))
+        return cls(tuple(rows), topk)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.level_rows)
+
+    @property
+    def candidates(self) -> int:
+        return self.rows * self.topk
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every drafted candidate's path score, parent candidate (-1: the root's child) and depth."""
+
+    cum: torch.Tensor  # [C] float64
+    parent: torch.Tensor  # [C] int64
+    depth: torch.Tensor  # [C] int64
+
+
+def candidate_scores(logprobs: torch.Tensor, parents: torch.Tensor, layout: ExpansionLayout,
+                     temperature: float | torch.Tensor) -> Candidates:
+    """``Expansion.from_arrays`` on the device: ``logprobs`` ``[rows, topk]``, ``parents`` ``[rows]``
+    (the previous level's flat candidate index each row extends)."""
+    k = layout.topk
+    scores = logprobs.double() / temperature
+    flat = scores.reshape(-1)
+    dev = logprobs.device
+    row_cum = [torch.zeros(1, dtype=torch.float64, device=dev)]
+    row_parent = [torch.full((1,), -1, dtype=torch.long, device=dev)]
+    start = 1
+    prev_start = 0
+    for n in layout.level_rows[1:]:
+        glob = prev_start * k + parents[start:start + n]
+        row_parent.append(glob)
+        prev_cum = torch.cat(row_cum)
+        row_cum.append(prev_cum[torch.div(glob, k, rounding_mode="floor")] + flat[glob])
+        prev_start, start = start, start + n
+    cum_rows = torch.cat(row_cum)
+    depth_rows = torch.cat([torch.full((n,), d + 1, dtype=torch.long, device=dev)
+                            for d, n in enumerate(layout.level_rows)])
+    return Candidates((cum_rows[:, None] + scores).reshape(-1),
+                      torch.cat(row_parent).repeat_interleave(k), depth_rows.repeat_interleave(k))
+
+
+def best_first(cand: Candidates, count: int) -> torch.Tensor:
+    """``best_candidates``: the ``count`` best candidates by score, ties to the shallower, then to the
+    lower index (two stable sorts: by depth, then by score)."""
+    by_depth = torch.sort(cand.depth, stable=True).indices
+    order = by_depth[torch.sort(-cand.cum[by_depth], stable=True).indices]
+    return order[:count]
+
+
+@dataclass(frozen=True)
+class DeviceTree:
+    """A tree of ``N`` nodes on the device, node 0 the root (the pending token), parents first."""
+
+    tokens: torch.Tensor  # [N] int64
+    parent: torch.Tensor  # [N] int64, the root its own parent
+    depth: torch.Tensor  # [N] int64
+    ancestors: torch.Tensor  # [N, N] bool, a node's own row: itself and every ancestor
+
+
+def device_tree(root_token: torch.Tensor, draft_tokens: torch.Tensor, cand: Candidates, chosen: torch.Tensor,
+                max_depth: int) -> DeviceTree:
+    """The tree of ``chosen`` candidates (best first, so every parent precedes its children)."""
+    dev = chosen.device
+    n = chosen.numel() + 1
+    c = cand.cum.numel()
+    node_of = torch.zeros(c + 1, dtype=torch.long, device=dev)  # the last slot: "parent -1", the root
+    node_of[chosen] = torch.arange(1, n, device=dev)
+    up = cand.parent[chosen]
+    parent = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), node_of[torch.where(up < 0, c, up)]])
+    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), cand.depth[chosen]])
+    tokens = torch.cat([root_token.reshape(1), draft_tokens.reshape(-1)[chosen]])
+    ancestors = torch.eye(n, dtype=torch.bool, device=dev)
+    cur = torch.arange(n, device=dev)
+    for _ in range(max_depth):
+        cur = parent[cur]
+        ancestors.scatter_(1, cur[:, None], True)
+    return DeviceTree(tokens, parent, depth, ancestors)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The accepted path padded to ``max_depth + 1``: ``path[j]`` is its node at depth j for
+    ``j < length`` and the last accepted node after; ``committed[j]`` the token the step commits after
+    ``path[j]`` (the path's next token, then the bonus), padded with the bonus."""
+
+    path: torch.Tensor  # [D + 1] int64
+    length: torch.Tensor  # 0-d int64, accepted nodes (root included) = tokens committed
+    committed: torch.Tensor  # [D + 1] int64
+    bonus: torch.Tensor  # 0-d int64
+
+
+def accept_greedy(tree: DeviceTree, greedy: torch.Tensor, max_depth: int) -> Acceptance:
+    """``verify_greedy`` as tensor operations; ``greedy`` ``[N]`` is every node's argmax."""
+    accepted = tree.depth == 0
+    matches = tree.tokens == greedy[tree.parent]
+    for d in range(1, max_depth + 1):
+        accepted = accepted | ((tree.depth == d) & accepted[tree.parent] & matches)
+    deepest = torch.where(accepted, tree.depth, -1).argmax()
+    length = tree.depth[deepest] + 1
+    ups = [deepest]
+    for _ in range(max_depth):
+        ups.append(tree.parent[ups[-1]])
+    walk = torch.stack(ups)  # walk[i]: the ancestor i levels above the deepest accepted node
+    j = torch.arange(max_depth + 1, device=greedy.device)
+    path = walk[(length - 1 - j).clamp(min=0)]
+    bonus = greedy[deepest]
+    following = torch.cat([tree.tokens[path[1:]], bonus.reshape(1)])
+    committed = torch.where(j < length - 1, following, bonus)
+    return Acceptance(path, length, committed, bonus)

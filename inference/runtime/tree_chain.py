@@ -1,0 +1,227 @@
+"""Greedy tree speculative decoding on CUDA as one self-feeding graph per step.
+
+The host tree step (``decoding/speculative.py``) synchronises twice: it reads the drafts back to
+choose the tree, and the verify forward's argmax back to walk it, with the GPU idle while Python
+works (BENCHMARKS.md §6e: a 2.7 ms step holding 1.7 ms of GPU work). Here one captured graph goes
+from one step's accepted tokens to the next step's: the drafter and the heads (``draft_tree``), the
+tree chosen on the device (``device_tree.py``), the verify forward, greedy acceptance, the move of the
+accepted path's K/V to contiguous slots, and the state the next step starts from. Like the vanilla
+chain (``decode_chain.py``) it reads and writes only device buffers, so the host keeps a few replays
+in flight and reads each step's small record (tokens committed, the path) through a pinned buffer
+and an event, while detokenising and stop strings overlap the next steps.
+
+Device state (int64 ``ints``): ``[pending, offset, start, last, row_tokens...]`` plus the drafter's
+rows ``[R, H]``: the hidden states of the positions the last step accepted, written from slot
+``start``, each paired with the token after it; ``last`` is the index of the newest. That is exactly
+what ``TreeDecoder`` keeps on the host between steps, so a chain can start from a host state and hand
+its state back (``hand_back``) when the cache is too full for another fixed-size step.
+
+Stops stay exact: a step commits between 1 and ``depth + 1`` tokens; the host hands them out in order,
+and a step in flight when the generation stops wrote only past the kept context (its tree's K/V, the
+compacted path, the drafter's rows from the last kept step's first slot: rows the next generation's
+prefill or steps overwrite before reading). The tree has a fixed size and its draft temperature is
+the policy's at the chain's start (the adaptive policy needs the host between steps); neither changes
+what greedy decoding outputs, only how many tokens a step keeps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elesium.inference.decoding.device_tree import (
+    ExpansionLayout,
+    accept_greedy,
+    best_first,
+    candidate_scores,
+    device_tree,
+)
+from elesium.inference.drafters.protocol import ExpandingHeads, expands
+from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_tree
+from elesium.inference.runtime.model import KVCache, Transformer
+
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Any, torch.Tensor]]
+"""Warm a step body up and capture it: ``CudaGraphRunner._record`` (two real runs, then a graph); tests
+pass an eager stand-in whose ``replay()`` runs the body."""
+
+LOOKAHEAD = 2
+"""Steps in flight ahead of the one being read. A step is ~2 vanilla forwards long, so two already
+cover any host turn; each wasted step at a stop costs one step of GPU time."""
+
+INTS = 4
+"""``ints`` before the row tokens: pending, offset, start, last."""
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What one captured step bakes in: tree nodes and the drafting's shape (the draft temperature
+    is a device input, so the policy's adapted value needs no new graph)."""
+
+    nodes: int
+    width: int
+    topk: int
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One step read back: the tokens it committed, its accepted nodes (in the device tree's
+    best-first numbering) and the depth of its tree."""
+
+    tokens: list[int]
+    path: list[int]
+    tree_depth: int
+
+
+def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
+                   drafter_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                   step: Callable[..., StepOutputs], ints: torch.Tensor, rows: torch.Tensor,
+                   temperature: torch.Tensor, record: torch.Tensor, shape: TreeShape,
+                   ) -> Callable[[], torch.Tensor]:
+    """The captured step. ``temperature`` is a float64 ``[1]``; ``record`` receives ``[length, tree
+    depth, committed (D + 1), path (D + 1)]``."""
+    depth = heads.num_heads
+    r = depth + 1
+    layout = ExpansionLayout.of(depth, shape.width, shape.topk)
+    count = min(shape.nodes - 1, layout.candidates)
+    lanes = torch.arange(r, device=ints.device)
+
+    def body() -> torch.Tensor:
+        pending, offset, start = ints[0], ints[1], ints[2]
+        tokens, logprobs, parents = draft_tree(model, heads, rows, ints[INTS:INTS + r], start,
+                                               ints[3:4], shape.width, shape.topk, drafter_cache)
+        cand = candidate_scores(logprobs, parents, layout, temperature)
+        tree = device_tree(pending, tokens, cand, best_first(cand, count), depth)
+        out = step(tree.tokens.view(1, -1), offset + tree.depth, tree.ancestors, offset, with_drafts=False)
+        acc = accept_greedy(tree, out.greedy, depth)
+        cache.move(offset + acc.path, offset + lanes)
+        rows.copy_(out.hidden.index_select(0, acc.path))
+        ints.copy_(torch.cat([torch.stack([acc.bonus, offset + acc.length, offset, acc.length - 1]),
+                              acc.committed]))
+        record.copy_(torch.cat([torch.stack([acc.length, tree.depth.max()]), acc.committed, acc.path]))
+        return record
+
+    return body
+
+
+class TreeChain:
+    """One generation's tree steps, produced by self-feeding replays of a captured step.
+
+    ``limit`` is the first cache slot no step may write. A step at offset o writes slots
+    ``o .. o + nodes - 1`` and advances by at most ``depth + 1``, so a launch needs room for the
+    worst case of every step still in flight.
+    """
+
+    def __init__(self, graph: Any, ints: torch.Tensor, rows: torch.Tensor, record: torch.Tensor, *,
+                 nodes: int, depth: int, offset: int, limit: int, lookahead: int = LOOKAHEAD) -> None:
+        self._graph = graph
+        self._ints = ints
+        self._rows = rows
+        self._record = record
+        self.nodes = nodes  # the tree's size, root included
+        self._depth = depth
+        self._limit = limit
+        self._offset = offset  # after the last step read
+        cuda = record.device.type == "cuda"  # on the CPU (tests) each replay has finished when it returns
+        self._slots = [torch.zeros_like(record, device="cpu") for _ in range(lookahead + 1)]
+        if cuda:
+            self._slots = [slot.pin_memory() for slot in self._slots]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(lookahead + 1)]
+        self._free = deque(range(lookahead + 1))
+        self._inflight: deque[int] = deque()
+        self._lookahead = lookahead
+
+    def _fits(self, ahead: int) -> bool:
+        return self._offset + ahead * (self._depth + 1) + self.nodes <= self._limit
+
+    def next_step(self, wanted: int) -> ChainStep | None:
+        """The next step's tokens, or None when no step fits the cache any more (then ``hand_back``).
+        ``wanted`` (>= 1): tokens the caller may still take; every step yields at least one."""
+        while (len(self._inflight) < min(wanted, self._lookahead + 1) and self._fits(len(self._inflight))):
+            self._launch()
+        if not self._inflight:
+            return None
+        slot = self._inflight.popleft()
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+        values = self._slots[slot].tolist()
+        self._free.append(slot)
+        d = self._depth + 1
+        length = values[0]
+        self._offset += length
+        return ChainStep(values[2:2 + length], values[2 + d:2 + d + length], values[1])
+
+    def hand_back(self) -> tuple[int, int, int, list[int], torch.Tensor]:
+        """The host decoder's state after the last step read (no step may be in flight):
+        pending token, offset, drafter rows' start, their tokens and their hidden states."""
+        if self._inflight:
+            raise RuntimeError("steps are still in flight")
+        ints = self._ints.tolist()
+        pending, offset, start, last = ints[:INTS]
+        n = last + 1
+        return pending, offset, start, ints[INTS:INTS + n], self._rows[:n].clone()
+
+    def _launch(self) -> None:
+        slot = self._free.popleft()
+        self._graph.replay()
+        self._slots[slot].copy_(self._record, non_blocking=self._events[slot] is not None)
+        event = self._events[slot]
+        if event is not None:
+            event.record()
+        self._inflight.append(slot)
+
+
+def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, tuple[torch.Tensor, ...]]],
+                     capture: Capture, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
+                     row_tokens: list[int], row_start: int, draft_temperature: float,
+                     limit: int) -> TreeChain | None:
+    """A chain from the host decoder's state: ``rows`` ``[n, H]`` (n <= heads + 1) written from slot
+    ``row_start``, each paired with its entry of ``row_tokens``, the last one with ``pending``.
+
+    ``graphs`` keeps one captured step per shape with the buffers it reads (kept alive, so neither the
+    allocator nor later captures reuse them). Capture happens on first use with the call's real state:
+    warm-up runs two real steps, whose writes lie at or past ``offset`` except the drafter row at
+    ``row_start``, which gets the value the first replay writes again; then the state is set back.
+    None where the runner has no expanding heads of its own, or the cache cannot hold the first steps.
+    """
+    heads = runner.heads
+    if heads is None or not expands(heads):
+        return None
+    depth = heads.num_heads
+    r = depth + 1
+    nodes = min(shape.nodes, ExpansionLayout.of(depth, shape.width, shape.topk).candidates + 1)
+    # Warm-up and the first replays may advance up to three steps before the host reads one.
+    if len(row_tokens) > r or offset + 3 * r + nodes > min(limit, runner.cache.max_len):
+        return None
+    captured = graphs.get(shape)
+    dev = runner.device
+    io = captured[1] if captured else (
+        torch.zeros(INTS + r, dtype=torch.long, device=dev),
+        torch.zeros(r, rows.shape[-1], dtype=rows.dtype, device=dev),
+        torch.zeros(1, dtype=torch.float64, device=dev),
+        torch.zeros(2 + 2 * r, dtype=torch.long, device=dev))
+    ints, buf, temperature, record = io
+    n = len(row_tokens)
+    state = torch.zeros(INTS + r, dtype=torch.long)
+    state[:INTS] = torch.tensor([pending, offset, row_start, n - 1])
+    state[INTS:INTS + n] = torch.tensor(row_tokens)
+
+    def reset() -> None:
+        ints.copy_(state)
+        buf.zero_()
+        buf[:n].copy_(rows)
+        temperature.fill_(draft_temperature)
+
+    reset()
+    if captured is None:
+        body = tree_step_body(runner.model, heads, runner.cache, runner.drafter_cache, runner.step_outputs,
+                              ints, buf, temperature, record, shape)
+        graph, _ = capture(body)
+        captured = graphs[shape] = (graph, io)
+        reset()
+    return TreeChain(captured[0], ints, buf, record, nodes=nodes, depth=depth, offset=offset,
+                     limit=min(limit, runner.cache.max_len))

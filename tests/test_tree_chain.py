@@ -1,0 +1,155 @@
+"""The self-feeding greedy tree step (runtime/tree_chain.py), run eagerly on the CPU.
+
+On CUDA the step is captured in a graph; here its body runs as plain tensor code through the same
+``start_tree_chain`` (warm-up included), so what the graph computes is checked without a GPU:
+drafting, the device tree, verification, acceptance, the K/V moves of accepted paths and the state
+the next step starts from. Greedy output must be vanilla's token for token, also when the chain
+runs out of room and hands its state back to the host path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from elesium.inference.decoding.speculative import TreeDecoder
+from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.decoding.vanilla import VanillaDecoder
+from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.hydra import HydraHeads
+from elesium.inference.runtime.forward import ForwardRunner
+from elesium.inference.runtime.tree_chain import TreeChain, start_tree_chain
+from elesium.inference.sampling import Sampler, SamplingParams
+from elesium.inference.training.drafter_training import drafter_loss, padded
+from helpers import VOCAB, tiny_model
+
+
+class EagerReplay:
+    """A stand-in for a captured graph: ``replay()`` runs the step body."""
+
+    def __init__(self, body: Any) -> None:
+        self.body = body
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.body()
+
+
+def eager_capture(body: Any) -> tuple[EagerReplay, torch.Tensor]:
+    """``CudaGraphRunner._record``'s contract: two real warm-up runs, then the "graph"."""
+    body()
+    out = body()
+    return EagerReplay(body), out
+
+
+class ChainRunner(ForwardRunner):
+    """The eager runner with tree chains, as ``CudaGraphRunner`` has them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs: dict = {}
+        self.chains_started: list[TreeChain] = []
+
+    def tree_chain(self, *args: Any) -> TreeChain | None:
+        chain = start_tree_chain(self, self.graphs, eager_capture, *args)
+        if chain is not None:
+            self.chains_started.append(chain)
+        return chain
+
+
+PROMPT = [(5 * i + 1) % VOCAB for i in range(11)]
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple:
+    """The tiny model and drafter-led Hydra heads, drafter and heads fitted to vanilla's continuation
+    (so that drafts are accepted at every depth), and that continuation."""
+    model = tiny_model(1, tie_word_embeddings=False)  # untied: its greedy text does not repeat one token
+    torch.manual_seed(2)
+    heads = HydraHeads(32, num_heads=3, num_layers=1, conditioning="chain")
+    heads.drafter = FeatureDrafter.for_model(model.config)
+    heads.eval().requires_grad_(False)
+    params = SamplingParams(max_tokens=110)
+    van = VanillaDecoder(ForwardRunner(model, model.new_cache(128)), params, Sampler(0))
+    want = [van.prefill(PROMPT)]
+    while len(want) < 110:
+        want.extend(van.step(128 - van.offset)[0])
+    seq = PROMPT + want
+    tokens, valid = padded([seq], torch.device("cpu"))
+    ids = torch.tensor(seq)
+    hidden = model(ids[None], torch.arange(len(seq)), model.new_cache(len(seq)), 0)[0]
+    k = heads.num_heads
+    t = torch.arange(len(seq) - k - 1)
+    path = ids[t[:, None] + 1 + torch.arange(k)]  # x_{t+1} .. x_{t+k}: what head j reads
+    target = ids[t[:, None] + 2 + torch.arange(k)]  # x_{t+2} .. x_{t+k+1}: what head j guesses
+    opt = torch.optim.AdamW([*heads.drafter.parameters(), *heads.heads.parameters()], lr=1e-2)
+    with torch.enable_grad():
+        heads.requires_grad_(True)
+        for _ in range(20):
+            logits = model.logits(heads.teacher_forced(model, hidden[t], path))  # [K, T, V]
+            loss = drafter_loss(heads.drafter, model, tokens, valid) + torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), target.T.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        heads.requires_grad_(False)
+    return model, heads, want
+
+
+def decode(setup: tuple, max_tokens: int, nodes: int,
+           runner: ChainRunner | None = None) -> tuple[list[int], list, ChainRunner]:
+    model, heads, _ = setup
+    runner = runner or ChainRunner(model, model.new_cache(128), heads)
+    policy = TreePolicy(kind="dynamic", max_nodes=nodes, topk=3, expand_width=4, adapt=False)
+    dec = TreeDecoder(runner, heads, SamplingParams(max_tokens=max_tokens), Sampler(0), policy)
+    got = [dec.prefill(PROMPT)]
+    records = []
+    while len(got) < max_tokens:
+        tokens, record = dec.step(128 - dec.offset)
+        got.extend(tokens)
+        records.append(record)
+    return got[:max_tokens], records, runner
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("nodes", [6, 16])
+def test_chained_greedy_tree_steps_equal_vanilla(setup: tuple, nodes: int) -> None:
+    _, _, want = setup
+    got, records, runner = decode(setup, 60, nodes)
+    assert got == want[:60]
+    assert len(runner.chains_started) == 1, "the chain should have carried the whole generation"
+    lengths = [r.accepted_length for r in records]
+    assert max(lengths) == 4, f"drafts should be accepted at every depth (accepted lengths {lengths})"
+    if nodes < 10:
+        assert min(lengths) < 4, f"small trees should also miss sometimes (accepted lengths {lengths})"
+    # Accepted paths that are not the first nodes: their K/V had to move to contiguous slots.
+    assert any(list(r.accepted_nodes) != list(range(r.accepted_length)) for r in records)
+    assert all(r.tree_size == min(nodes, 1 + 3 * 13) for r in records)
+    assert all(len(r.tokens) == r.accepted_length == len(r.accepted_nodes) for r in records)
+
+
+@torch.inference_mode()
+def test_a_chain_hands_back_when_the_cache_fills(setup: tuple) -> None:
+    """Near the end of the cache no fixed-size step fits: the host path takes over from the chain's
+    state (pending token, offset, the drafter's rows) and the output is still vanilla's."""
+    _, _, want = setup
+    got, records, runner = decode(setup, 110, 16)
+    assert got == want
+    chain_steps = sum(1 for r in records if r.predicted == 0.0 and r.tree_size == 16)
+    assert 0 < chain_steps < len(records), "both the chain and the host path should have run"
+
+
+@torch.inference_mode()
+def test_a_second_generation_reuses_the_captured_step(setup: tuple) -> None:
+    """The second chain of a runner replays the step captured for the first (no warm-up), from its own
+    start state: its output is vanilla's too."""
+    _, _, want = setup
+    first, _, runner = decode(setup, 40, 6)
+    graph = next(iter(runner.graphs.values()))[0]
+    before = graph.replays
+    second, _, _ = decode(setup, 40, 6, runner)
+    assert first == second == want[:40]
+    assert len(runner.graphs) == 1 and graph.replays > before
