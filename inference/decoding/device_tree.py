@@ -132,26 +132,29 @@ class Acceptance:
     ``path[j]`` (the path's next token, then the bonus), padded with the bonus."""
 
     path: torch.Tensor  # [D + 1] int64
-    length: torch.Tensor  # 0-d int64, accepted nodes (root included) = tokens committed
+    length: torch.Tensor  # [1] int64, accepted nodes (root included) = tokens committed
     committed: torch.Tensor  # [D + 1] int64
-    bonus: torch.Tensor  # 0-d int64
+    bonus: torch.Tensor  # [1] int64
 
 
 def accept_greedy(tree: DeviceTree, greedy: torch.Tensor, max_depth: int) -> Acceptance:
-    """``verify_greedy`` as tensor operations; ``greedy`` ``[N]`` is every node's argmax."""
+    """``verify_greedy`` as tensor operations; ``greedy`` ``[N]`` is every node's argmax.
+
+    Indices stay one-element tensors: indexing with a 0-d tensor reads it back to the host, which a
+    CUDA graph cannot capture."""
     accepted = tree.depth == 0
     matches = tree.tokens == greedy[tree.parent]
     for d in range(1, max_depth + 1):
         accepted = accepted | ((tree.depth == d) & accepted[tree.parent] & matches)
-    deepest = torch.where(accepted, tree.depth, -1).argmax()
+    deepest = torch.where(accepted, tree.depth, -1).argmax().reshape(1)
     length = tree.depth[deepest] + 1
     ups = [deepest]
     for _ in range(max_depth):
         ups.append(tree.parent[ups[-1]])
-    walk = torch.stack(ups)  # walk[i]: the ancestor i levels above the deepest accepted node
+    walk = torch.cat(ups)  # walk[i]: the ancestor i levels above the deepest accepted node
     j = torch.arange(max_depth + 1, device=greedy.device)
     path = walk[(length - 1 - j).clamp(min=0)]
     bonus = greedy[deepest]
-    following = torch.cat([tree.tokens[path[1:]], bonus.reshape(1)])
+    following = torch.cat([tree.tokens[path[1:]], bonus])
     committed = torch.where(j < length - 1, following, bonus)
     return Acceptance(path, length, committed, bonus)

@@ -99,9 +99,9 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
         acc = accept_greedy(tree, out.greedy, depth)
         cache.move(offset + acc.path, offset + lanes)
         rows.copy_(out.hidden.index_select(0, acc.path))
-        ints.copy_(torch.cat([torch.stack([acc.bonus, offset + acc.length, offset, acc.length - 1]),
-                              acc.committed]))
-        record.copy_(torch.cat([torch.stack([acc.length, tree.depth.max()]), acc.committed, acc.path]))
+        at = offset.reshape(1)
+        ints.copy_(torch.cat([acc.bonus, at + acc.length, at, acc.length - 1, acc.committed]))
+        record.copy_(torch.cat([acc.length, tree.depth.max().reshape(1), acc.committed, acc.path]))
         return record
 
     return body
