@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -231,7 +231,7 @@ class CudaGraphRunner(ForwardRunner):
         self._chain_io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.chains = True  # off: vanilla steps take the synchronous bucket-1 graph (A/B runs)
         # The self-feeding greedy tree steps (tree_chain), one graph per tree shape, with their buffers.
-        self._tree_chains: dict[TreeShape, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._tree_chains: dict[TreeShape, tuple[torch.cuda.CUDAGraph, tuple[Any, ...]]] = {}
         self.tree_chains = True  # off: tree steps go through the host (A/B runs)
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,

@@ -87,9 +87,12 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
     r = depth + 1
     layout = ExpansionLayout.of(depth, shape.width, shape.topk)
     count = min(shape.nodes - 1, layout.candidates)
-    lanes = torch.arange(r, device=ints.device)
 
     def body() -> torch.Tensor:
+        # Every constant is made inside the body, so that it lives in the graph's own memory: a
+        # tensor made outside would be freed with the closure and its memory reused while the graph
+        # still reads it.
+        lanes = torch.arange(r, device=ints.device)
         pending, offset, start = ints[0], ints[1], ints[2]
         tokens, logprobs, parents = draft_tree(model, heads, rows, ints[INTS:INTS + r], start,
                                                ints[3:4], shape.width, shape.topk, drafter_cache)
@@ -175,7 +178,7 @@ class TreeChain:
         self._inflight.append(slot)
 
 
-def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, tuple[torch.Tensor, ...]]],
+def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, tuple[Any, ...]]],
                      capture: Capture, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
                      row_tokens: list[int], row_start: int, draft_temperature: float,
                      limit: int) -> TreeChain | None:
@@ -204,7 +207,7 @@ def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, t
         torch.zeros(r, rows.shape[-1], dtype=rows.dtype, device=dev),
         torch.zeros(1, dtype=torch.float64, device=dev),
         torch.zeros(2 + 2 * r, dtype=torch.long, device=dev))
-    ints, buf, temperature, record = io
+    ints, buf, temperature, record = io[:4]
     n = len(row_tokens)
     state = torch.zeros(INTS + r, dtype=torch.long)
     state[:INTS] = torch.tensor([pending, offset, row_start, n - 1])
@@ -221,7 +224,7 @@ def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, t
         body = tree_step_body(runner.model, heads, runner.cache, runner.drafter_cache, runner.step_outputs,
                               ints, buf, temperature, record, shape)
         graph, _ = capture(body)
-        captured = graphs[shape] = (graph, io)
+        captured = graphs[shape] = (graph, io + (body,))  # the body too: whatever it holds stays alive
         reset()
     return TreeChain(captured[0], ints, buf, record, nodes=nodes, depth=depth, offset=offset,
                      limit=min(limit, runner.cache.max_len))
