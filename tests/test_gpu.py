@@ -331,5 +331,9 @@ def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -
     small = load("bfloat16", max_len=len(ids) + 70)  # room for the chain to start, not to finish
     full = small.generate(prompts[2], params, mode="speculative")
     assert small.runner._tree_chains, "the small engine's chain did not start"
-    assert full.finish_reason == "length" and full.token_ids == vanilla[2][:len(full.token_ids)]
+    # Against the small engine's own vanilla run: attention spans the whole (smaller) cache, so its
+    # sums are split differently from the large engine's and may round a near-tie differently.
+    alone = small.generate(prompts[2], params, mode="vanilla")
+    assert full.finish_reason == alone.finish_reason == "length"
+    assert full.token_ids == alone.token_ids, f"diverge at token {_diverge(full.token_ids, alone.token_ids)}"
     assert len(ids) + len(full.token_ids) >= small.context_length
