@@ -486,10 +486,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="measured steps per mode")
     p.add_argument("--skip", type=int, default=4, help="unmeasured steps after each prefill")
     p.add_argument("--max-tokens", type=int, default=128, help="warm-up length; caps each prompt's steps")
-    p.add_argument("--runner", choices=["graphs", "eager", "both", "unfused", "fused-pair"], default="graphs",
+    p.add_argument("--runner", choices=["graphs", "eager", "both", "unfused", "fused-pair", "host-tree",
+                                        "chain-pair"], default="graphs",
                    help="graphs: the default runner (CUDA graphs on CUDA); eager: cuda_graphs=False; both; "
                         "unfused: graphs with the fused elementwise forward (runtime/fused.py) turned off; "
-                        "fused-pair: graphs, then unfused, side by side")
+                        "fused-pair: graphs, then unfused, side by side; host-tree: graphs with greedy tree "
+                        "steps through the host instead of the device tree chain (runtime/tree_chain.py); "
+                        "chain-pair: host-tree, then graphs, side by side")
     p.add_argument("--out", type=Path, default=Path("bench-out/step_profile.json"))
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the Chrome traces here (gzipped)")
     add_model_args(p)
@@ -502,6 +505,8 @@ def engines(opts: argparse.Namespace, runners: list[str]) -> Iterator[tuple[str,
         engine = load_engine(opts, cuda_graphs=False if runner == "eager" else None)
         if runner == "unfused":  # graphs are captured at first use, so the switch still applies
             engine.model.fused_pointwise = False
+        if runner == "host-tree" and hasattr(engine.runner, "tree_chains"):
+            engine.runner.tree_chains = False
         tag = runner if engine.model.device.type == "cuda" or runner == "eager" else "cpu"
         yield tag, engine
         del engine
@@ -569,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         return selftest_cuda()
     opts = parse_args(argv)
     prompts = read_prompts(opts.prompts, opts.limit)
-    pairs = {"both": ["graphs", "eager"], "fused-pair": ["graphs", "unfused"]}
+    pairs = {"both": ["graphs", "eager"], "fused-pair": ["graphs", "unfused"],
+             "chain-pair": ["host-tree", "graphs"]}
     runners = pairs.get(opts.runner, [opts.runner])
     doc: dict[str, Any] = {"results": {}}
     for tag, engine in engines(opts, runners):

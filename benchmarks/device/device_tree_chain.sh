@@ -24,6 +24,12 @@ for set in ${SETS:-mt_bench_questions enterprise_prompts}; do
     --out "$OUT/tree_chain_$set.json" 2>"$OUT/tree_chain_$set.log" | tee -a "$S"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
 done
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== step profile, host tree steps then the device tree chain ($(date -u +%T))" | tee -a "$S"
+  ELESIUM_CACHE_DIR=/root/cache_bench timeout ${STEP_S:-200} python3 -P benchmarks/step_profile.py --runner chain-pair \
+    --out "$OUT/step_profile.json" 2>"$OUT/step_profile.log" | tee -a "$S"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+fi
 if [ "${BENCHES:-1}" = 1 ]; then
   bench t0_mt_bench ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl
 fi
