@@ -130,8 +130,9 @@ class TreeDecoder:
         return Expansion.from_device(tokens, logprobs, parents, width, self.policy.draft_temperature)
 
     def _chainable(self) -> bool:
+        """Greedy Hydra steps with the runner's own heads (the chain drafts with those) and no grammar."""
         return (self._array_tree() and self.params.greedy and self.mode == "speculative"
-                and self.rows is not None)
+                and self.rows is not None and self.heads is self.runner.heads)
 
     def _chain_step(self, room: int | None, start: float) -> tuple[list[int], StepRecord] | None:
         """The next step from the device chain, or None when there is (no longer) one: then the
