@@ -4,8 +4,10 @@ What they assert, on the bundled model: CUDA-graph replay decodes the same token
 greedy speculative decoding emits exactly vanilla's tokens in bf16 and fp32 (shape-invariant
 numerics, ``inference/runtime/invariant.py``); every node of an N-node verify forward gets bit-for-bit
 the logits of decoding that node alone, one token at a time, after its path; the invariant kernels in
-bf16 (which Triton's CPU interpreter lacks); and sampled speculative decoding on the device keeps the
-base model's distribution (chi-square, as tests/test_exactness.py does on the CPU).
+bf16 (which Triton's CPU interpreter lacks); sampled speculative decoding on the device keeps the
+base model's distribution (chi-square, as tests/test_exactness.py does on the CPU); and the self-feeding
+vanilla and greedy tree steps (decode_chain.py, tree_chain.py) give the synchronous paths' tokens and
+stop exactly.
 
 Without CUDA every test here is skipped with the reason printed (``-ra``): the CPU CI machine has no
 GPU. Run this file alone: the interpreter tests (test_tree_attention, test_invariant_kernels) set
