@@ -73,7 +73,6 @@ class TreeDecoder:
         # cache is too full for another fixed-size step; None where the runner has none.
         self._chain: TreeChain | None = None
         self._chain_tried = False
-        self._chain_nodes = 0
 
     def prefill(self, prompt_ids: list[int]) -> int:
         hidden = self.runner.prefill(prompt_ids)
@@ -148,7 +147,6 @@ class TreeDecoder:
                                                      self.policy.draft_temperature, limit)
         if self._chain is None:
             return None
-        self._chain_nodes = self._chain.nodes
         wanted = max(1, self.params.max_tokens - 1 - self.emitted)
         got = self._chain.next_step(wanted)
         if got is None:
@@ -156,14 +154,14 @@ class TreeDecoder:
             self.hidden = self.rows[-1]
             self._chain = None
             return None
-        return got.tokens, self._chain_record(got, start)
+        return got.tokens, self._chain_record(got, self._chain.nodes, start)
 
-    def _chain_record(self, got: ChainStep, start: float) -> StepRecord:
+    def _chain_record(self, got: ChainStep, nodes: int, start: float) -> StepRecord:
         self.offset += len(got.tokens)
         self.pending = got.tokens[-1]
         accepted_depth = len(got.path) - 1
         record = StepRecord(
-            step=self.steps, mode=self.mode, tree_size=self._chain_nodes, tree_depth=got.tree_depth,
+            step=self.steps, mode=self.mode, tree_size=nodes, tree_depth=got.tree_depth,
             accepted_length=len(got.tokens), accepted_nodes=tuple(got.path), tokens=tuple(got.tokens),
             accepted_by_depth=tuple(d <= accepted_depth for d in range(1, got.tree_depth + 1)),
             draft_temperature=self.policy.draft_temperature, elapsed_s=time.perf_counter() - start,
