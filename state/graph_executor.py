@@ -23,11 +23,15 @@ def drive(graph: Any, lease: Lease, input: Any, config: Mapping[str, Any]) -> st
     "interrupted" (stopped at a LangGraph ``interrupt``, waiting for a human).
 
     The thread's latest checkpoint decides: none -> start with ``input``; one with tasks still to
-    run -> resume with ``None``; one with nothing left -> the run had finished before its worker died
-    (only the queue's acknowledgement was missing), so nothing is executed again.
+    run -> resume with ``None``; one with no tasks at all -> the run had finished before its worker
+    died (only the queue's acknowledgement was missing), so nothing is executed again.
+
+    "No tasks" is ``state.tasks``, not ``state.next``: LangGraph leaves a task out of ``next`` once
+    its pending writes are saved, so a super-step whose tasks all finished but whose checkpoint was
+    never written (Redis lost between the two) has an empty ``next`` and still work to do.
     """
     state = graph.get_state(config)
-    if state.created_at is not None and not state.next:
+    if state.created_at is not None and not state.tasks:
         return "succeeded"
     if state.created_at is not None and any(task.interrupts for task in state.tasks):
         return "interrupted"
@@ -36,7 +40,7 @@ def drive(graph: Any, lease: Lease, input: Any, config: Mapping[str, Any]) -> st
         lease.check()
     lease.check()
     after = graph.get_state(config)
-    return "interrupted" if after.next else "succeeded"
+    return "interrupted" if after.tasks else "succeeded"
 
 
 class GraphExecutor:

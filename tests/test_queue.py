@@ -22,7 +22,7 @@ from elesium.inference.records import StepRecord
 from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
 from elesium.state.fenced import entry_attempts
-from elesium.state.graph_executor import GraphExecutor
+from elesium.state.graph_executor import GraphExecutor, drive
 from elesium.state.queue import (
     Delivery,
     IdempotencyConflictError,
@@ -238,6 +238,45 @@ def test_handed_back_run_resumes_from_its_checkpoint(queue: RunQueue, key_prefix
     assert calls == ["A", "B"]
     steps = _history(queue.client, cp, "run-h")
     assert [s for s, _ in steps] == [-1, 0, 1, 2, 3]  # no step lost, none repeated
+    assert steps[-1][1] == ["a", "b", "c"]
+
+
+class _LostCheckpoint(RedisSaver):
+    """Loses the connection on the checkpoint of super-step ``lose_step``, after that step's tasks
+    have saved their writes: the window a Redis crash left open in the restart test."""
+
+    def __init__(self, *args: Any, lose_step: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lose_step = lose_step
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        if metadata.get("step") == self.lose_step:
+            raise ConnectionError("lost the server before the checkpoint was written")
+        return super().put(config, checkpoint, metadata, new_versions)
+
+
+class _OpenLease:
+    """``drive`` only asks a lease whether it still holds; this one always does."""
+
+    def check(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("lose_step", [0, 1, 2])
+def test_a_step_whose_checkpoint_was_lost_is_resumed_not_taken_as_finished(
+        queue: RunQueue, key_prefix: str, lose_step: int) -> None:
+    """The finished-run check must see the saved-but-uncheckpointed tasks as work left to do."""
+    cp, thread = f"{key_prefix}:cp{lose_step}", f"run-lost-{lose_step}"
+    config = {"configurable": {"thread_id": thread}}
+    lease = _OpenLease()
+    first = _graph(_LostCheckpoint(queue.client, prefix=cp, lose_step=lose_step))
+    with pytest.raises(ConnectionError):
+        drive(first, lease, {"n": 1, "trail": []}, config)  # type: ignore[arg-type]
+    saved = _history(queue.client, cp, thread)
+    assert [s for s, _ in saved] == list(range(-1, lose_step))
+    assert drive(_graph(RedisSaver(queue.client, prefix=cp)), lease, None, config) == "succeeded"  # type: ignore[arg-type]
+    steps = _history(queue.client, cp, thread)
+    assert [s for s, _ in steps] == [-1, 0, 1, 2, 3]
     assert steps[-1][1] == ["a", "b", "c"]
 
 
