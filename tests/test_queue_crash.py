@@ -177,7 +177,9 @@ def test_redis_killed_and_restarted(baseline: dict[str, dict[str, Any]], always_
     assert {s.status for s in states.values()} == {"succeeded"}
     saver = RedisSaver(queue.client, prefix=f"{root}:cp")
     acked = [line.split() for p in ack_logs.values() for line in p.read_text().splitlines()]
-    assert acked_before > 0 and len(acked) >= len(ids) * len(STEPS)
+    # A write the server applied just before the kill may have lost its reply: durable but never
+    # acknowledged, and not re-written on resume. At most one per worker (concurrency 1).
+    assert acked_before > 0 and len(acked) >= len(ids) * len(STEPS) - len(workers)
     for thread, checkpoint_id, _step in acked:
         cfg = {"configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
         assert saver.get_tuple(cfg) is not None, f"acknowledged checkpoint {checkpoint_id} of {thread} lost"
