@@ -20,6 +20,14 @@ What is the same as the host path, and what is not:
   child matches and the accepted nodes form one path: the same path and bonus token as the host walk
   on the same tree. Greedy output therefore stays vanilla's (every node's logits are its 1-token
   logits under invariant numerics; the tree only decides how many tokens a step keeps).
+* Sampled acceptance (``accept_sampled``) is ``verify.verify_sampled``'s rejection walk with one
+  change in where its uniforms come from: node c's trial reads ``u[c]`` and the bonus draw ``u[0]``,
+  instead of the next uniform of a sequence. Each node is tried at most once per step and the root
+  never is, so every draw the walk uses is a fresh independent uniform, which is all the exactness
+  argument needs; but then every node's trial can be decided at once, before the walk: child c of n
+  is accepted, given that its earlier siblings were rejected, when ``u[c] * R < p_n(x_c)``, where R
+  is p_n's mass minus those siblings' masses. The walk takes each node's first accepted child, and
+  the bonus is drawn at the last node with its children's tokens removed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from elesium.inference.sampling import sample_from, sample_on_device
 
 
 @dataclass(frozen=True)
@@ -153,8 +163,71 @@ def accept_greedy(tree: DeviceTree, greedy: torch.Tensor, max_depth: int) -> Acc
         ups.append(tree.parent[ups[-1]])
     walk = torch.cat(ups)  # walk[i]: the ancestor i levels above the deepest accepted node
     j = torch.arange(max_depth + 1, device=greedy.device)
-    path = walk[(length - 1 - j).clamp(min=0)]
-    bonus = greedy[deepest]
+    return _acceptance(tree, walk[(length - 1 - j).clamp(min=0)], length, greedy[deepest])
+
+
+def _acceptance(tree: DeviceTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
+    j = torch.arange(path.numel(), device=path.device)
     following = torch.cat([tree.tokens[path[1:]], bonus])
-    committed = torch.where(j < length - 1, following, bonus)
-    return Acceptance(path, length, committed, bonus)
+    return Acceptance(path, length, torch.where(j < length - 1, following, bonus), bonus)
+
+
+def accept_sampled(tree: DeviceTree, probs: torch.Tensor, uniforms: torch.Tensor, max_depth: int) -> Acceptance:
+    """Exact rejection sampling over the tree (module docstring): ``probs`` ``[N, V]`` is every node's
+    target distribution (``sampling.target_probs``), ``uniforms`` ``[N]`` float64, one per node.
+
+    The masses are ``verify_sampled``'s, in float64: a node's total, and its children's ``p(x)``.
+    """
+    n = tree.tokens.numel()
+    dev = probs.device
+    nodes = torch.arange(n, device=dev)
+    child = tree.depth > 0
+    total = probs.double().sum(-1)
+    mass = torch.where(child, probs[tree.parent, tree.tokens].double(), 0.0)
+    siblings = (tree.parent[:, None] == tree.parent[None, :]) & (nodes[None, :] < nodes[:, None]) & child[None, :]
+    before = torch.where(siblings, mass[None, :], 0.0).sum(-1)  # earlier siblings' masses (all rejected)
+    accepted = child & (uniforms * (total[tree.parent] - before) < mass)
+    # first[m]: node m's first accepted child in rank order (= node order), n for none.
+    is_kid = (tree.parent[None, :] == nodes[:, None]) & accepted[None, :]
+    first = torch.cat([torch.where(is_kid, nodes[None, :], n).amin(-1), torch.full((1,), n, device=dev)])
+    steps = [torch.zeros(1, dtype=torch.long, device=dev)]
+    for _ in range(max_depth):
+        here = steps[-1]
+        nxt = first[here]
+        steps.append(torch.where(nxt < n, nxt, here))
+    path = torch.cat(steps)
+    last = path[-1:]
+    length = (tree.depth[last] + 1)
+    # The residual at the last node: its children were all tried and rejected (none was accepted).
+    tried = torch.zeros(probs.shape[-1], dtype=torch.long, device=dev).index_add_(
+        0, tree.tokens, (child & (tree.parent == last)).long())
+    residual = torch.where(tried > 0, 0.0, probs.index_select(0, last)[0].double())
+    bonus = sample_on_device(residual, uniforms[:1]).reshape(1)
+    return _acceptance(tree, path, length, bonus)
+
+
+def accept_sampled_reference(parent: list[int], tokens: list[int], probs: torch.Tensor,
+                             uniforms: list[float]) -> tuple[list[int], int]:
+    """``accept_sampled`` as the sequential walk of ``verify.verify_sampled_reference`` on host rows
+    (node c's trial reads ``uniforms[c]``, the bonus ``uniforms[0]``): the accepted path and the bonus."""
+    children: list[list[int]] = [[] for _ in parent]
+    for c in range(1, len(parent)):
+        children[parent[c]].append(c)
+    node, path = 0, [0]
+    while True:
+        p = probs[node].double().cpu().clone()
+        remaining = float(p.sum())
+        moved = False
+        for c in children[node]:
+            m = float(p[tokens[c]])
+            if m <= 0.0:
+                continue
+            if uniforms[c] * remaining < m:
+                node = c
+                path.append(c)
+                moved = True
+                break
+            p[tokens[c]] = 0.0
+            remaining -= m
+        if not moved:
+            return path, sample_from(p, uniforms[0])
