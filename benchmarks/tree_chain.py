@@ -1,12 +1,13 @@
-"""Greedy speculative decoding on CUDA: the self-feeding tree step against the host tree step and
-vanilla, side by side.
+"""Speculative decoding on CUDA: the self-feeding tree step against the host tree step and vanilla,
+side by side, greedy or sampled.
 
 One engine, one process; for every prompt each system runs back to back, the order rotating from
 prompt to prompt, so the machine's drift hits all alike. Systems: vanilla (its own chain), the host
 tree step (``runner.tree_chains = False``: the engine's tuned dynamic trees), and the device tree
 step (``runtime/tree_chain.py``) at each ``--nodes`` size. Records each prompt's ms/token, tokens per
 step (tau) and whether the tokens equal vanilla's; then the medians over prompts and the medians of
-per-prompt ratios to vanilla.
+per-prompt ratios to vanilla. At ``--temperature`` > 0 every system samples with prompt i's seed i
+(as ``elesium bench`` does), so "identical" is recorded only for greedy runs.
 
     python benchmarks/tree_chain.py --prompts tests/data/mt_bench_questions.jsonl --max-tokens 128 \\
         --nodes 16,32,48 --out tree_chain.json
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--nodes", default="16,32", help="device tree sizes to run (comma-separated)")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -40,33 +42,34 @@ def main() -> None:
     runner = engine.runner
     if not isinstance(runner, CudaGraphRunner) or engine.heads is None:
         raise SystemExit("this compares CUDA-graph tree steps: no CUDA graph runner or no heads")
-    params = SamplingParams(max_tokens=args.max_tokens)
+    greedy = args.temperature == 0.0
     systems: dict[str, tuple[str, bool, object]] = {"vanilla": ("vanilla", True, None),
                                                     "host_tree": ("speculative", False, None)}
     for n in (int(x) for x in args.nodes.split(",")):
         systems[f"chain_{n}"] = ("speculative", True, dataclasses.replace(engine.policy, max_nodes=n))
 
-    def run(prompt: str, name: str) -> dict:
+    def run(prompt: str, name: str, seed: int) -> dict:
         mode, chains, policy = systems[name]
         runner.tree_chains = chains
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
         g = engine.generate(prompt, params, mode=mode, policy=policy)
         return {"tokens": g.token_ids, "ms": 1000.0 * g.elapsed_s / max(1, g.new_tokens),
                 "tau": g.mean_accepted}
 
     for name in systems:  # capture every graph before timing
-        run(prompts[0], name)
+        run(prompts[0], name, 0)
     names = list(systems)
     out = []
     for i, prompt in enumerate(prompts):
         order = names[i % len(names):] + names[:i % len(names)]
-        res = {name: run(prompt, name) for name in order}
+        res = {name: run(prompt, name, i) for name in order}
         base = res["vanilla"]["tokens"]
         out.append({"prompt": i, "tokens": len(base)} | {
-            name: {"ms_per_token": r["ms"], "tau": r["tau"], "identical": r["tokens"] == base}
+            name: {"ms_per_token": r["ms"], "tau": r["tau"], "identical": greedy and r["tokens"] == base}
             for name, r in res.items()})
     runner.tree_chains = True
-    summary: dict = {"prompts": len(out), "max_tokens": args.max_tokens, "engine": engine.describe(),
-                     "host_policy_max_nodes": engine.policy.max_nodes}
+    summary: dict = {"prompts": len(out), "max_tokens": args.max_tokens, "temperature": args.temperature,
+                     "engine": engine.describe(), "host_policy_max_nodes": engine.policy.max_nodes}
     for name in names:
         summary[name] = {
             "ms_per_token": statistics.median(r[name]["ms_per_token"] for r in out),

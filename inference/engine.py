@@ -282,9 +282,11 @@ class Engine:
 
     @property
     def forward_path(self) -> str:
-        """How decode steps run: "cuda-graphs", "compiled" (the CPU step graph) or "eager"."""
+        """How decode steps run: "cuda-graphs", "cuda-graph-chains" (tree steps as self-feeding
+        graphs, which sample from other uniforms than the host tree step: one per node), "compiled"
+        (the CPU step graph) or "eager"."""
         if isinstance(self.runner, CudaGraphRunner):
-            return "cuda-graphs"
+            return "cuda-graph-chains" if self.runner.tree_chains else "cuda-graphs"
         return "compiled" if isinstance(self.runner, CompiledCpuRunner) else "eager"
 
     def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:

@@ -3,18 +3,23 @@
 ``tiny_model`` is a real ``Transformer`` at a toy size: the heads', drafter's and storage tests train
 and score on it in seconds, and the exactness statistics (``spec_harness.py``) use an 8-token variant
 whose joint distributions can be enumerated. ``tiny_engine`` is what ``train()`` reads from an engine.
+``ChainRunner`` is the eager runner with the CUDA runner's self-feeding tree steps, their captured
+body run as plain tensor code.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from elesium.inference.decoding.tree import Tree
 from elesium.inference.runtime.config import ModelConfig
+from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.model import Transformer
+from elesium.inference.runtime.tree_chain import TreeChain, start_tree_chain
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"  # tests/data/README.md
 VOCAB = 40
@@ -97,3 +102,37 @@ def ancestors_from_parents(parents: list[int]) -> torch.Tensor:
             anc[i, j] = True
             j = parents[j]
     return anc
+
+
+class EagerReplay:
+    """A stand-in for a captured graph: ``replay()`` runs the step body."""
+
+    def __init__(self, body: Any) -> None:
+        self.body = body
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.body()
+
+
+def eager_capture(body: Any) -> tuple[EagerReplay, torch.Tensor]:
+    """``CudaGraphRunner._record``'s contract: two real warm-up runs, then the "graph"."""
+    body()
+    out = body()
+    return EagerReplay(body), out
+
+
+class ChainRunner(ForwardRunner):
+    """The eager runner with tree chains, as ``CudaGraphRunner`` has them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs: dict = {}
+        self.chains_started: list[TreeChain] = []
+
+    def tree_chain(self, *args: Any) -> TreeChain | None:
+        chain = start_tree_chain(self, self.graphs, eager_capture, *args)
+        if chain is not None:
+            self.chains_started.append(chain)
+        return chain

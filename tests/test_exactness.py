@@ -17,6 +17,7 @@ from elesium.inference.decoding.verify import Verdict
 from elesium.inference.runtime.cpu_step import CompiledCpuRunner
 from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.sampling import SamplingParams, sample_from, target_probs
+from helpers import ChainRunner
 from spec_harness import (
     RandomHeads,
     chi_square_p,
@@ -105,6 +106,28 @@ def test_sampling_through_the_cpu_step_is_exact(tiny):
                                 seed=8)
     assert_samples_exact(model, heads, DYNAMIC, 1.3, seed=17, label="exact cpu step T=1.3",
                          runner_type=EagerCpuStep, samples=6_000)
+
+
+def test_sampling_through_the_chained_tree_step_is_exact(tiny):
+    """The self-feeding tree step (runtime/tree_chain.py, the CUDA path at T > 0), its body run eagerly:
+    drafting, the device tree and ``accept_sampled`` with the generation's uniforms, one per node.
+
+    Fewer samples than the host tests: every sample starts a chain and runs up to two whole steps as
+    tensor code (~9 ms a sample here); tests/test_device_sampling.py checks the acceptance walk alone
+    at 20,000 samples, with a negative control."""
+    model, _ = tiny
+    heads = with_random_drafter(random_hydra_heads(32, 3, seed=9, conditioning="chain"), model.config, seed=10)
+    samples = 3_000
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3)  # 2 tokens after FIRST
+    decoders = []
+    counts = speculative_samples(model, heads, DYNAMIC, PREFIX, FIRST, params, 2, samples, seed=19,
+                                 on_decoder=decoders.append, runner_type=ChainRunner)
+    runner = decoders[0].runner
+    assert len(runner.chains_started) == samples, "every sample should have run on the chain"
+    assert len(runner.graphs) == 1
+    p = chi_square_p(counts, exact_joint(model, PREFIX, FIRST, params, 2), samples)
+    print(f"exact chained tree step T=1.0: chi-square p = {p:.3f}")
+    assert p > 0.01, f"chained speculative samples do not fit the base distribution (p = {p:.2e})"
 
 
 def wrong_residual(tree, node_tokens, logits, params, sampler):

@@ -7,7 +7,7 @@ the logits of decoding that node alone, one token at a time, after its path; the
 bf16 (which Triton's CPU interpreter lacks); sampled speculative decoding on the device keeps the
 base model's distribution (chi-square, as tests/test_exactness.py does on the CPU); and the self-feeding
 vanilla and greedy tree steps (decode_chain.py, tree_chain.py) give the synchronous paths' tokens and
-stop exactly.
+stop exactly, and the sampled tree steps keep the distribution (chi-square) and replay from their seed.
 
 Without CUDA every test here is skipped with the reason printed (``-ra``): the CPU CI machine has no
 GPU. Run this file alone: the interpreter tests (test_tree_attention, test_invariant_kernels) set
@@ -222,6 +222,39 @@ def test_sampled_speculative_is_exact_on_device() -> None:
     p = chi_square_p(counts, expected, samples)
     print(f"device speculative sampling: chi-square p = {p:.3f} over {samples} samples")
     assert p > 0.01, f"speculative samples on CUDA do not fit the base distribution (p = {p:.2e})"
+
+
+def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) -> None:
+    """T > 0 through the captured tree step (tree_chain.py with ``accept_sampled``): the exact joint of
+    the next two tokens (chi-square, through the real CUDA graphs of a tiny model with a drafter); and
+    on the bundled model a seeded sampled run replays to the same tokens and accepts drafts."""
+    from elesium.inference.decoding.tree_policy import TreePolicy
+    from elesium.inference.runtime.forward import CudaGraphRunner
+    from elesium.inference.runtime.invariant import apply_invariant_numerics
+    from spec_harness import (chi_square_p, exact_joint, random_hydra_heads, speculative_samples, tiny_model,
+                              with_random_drafter)
+
+    samples = 4000
+    prefix, first = [1, 2, 3], 4
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3)
+    expected = exact_joint(tiny_model(0), prefix, first, params, 2)
+    model = apply_invariant_numerics(tiny_model(0).cuda(), True)
+    heads = with_random_drafter(random_hydra_heads(32, 3, seed=9, conditioning="chain"), model.config,
+                                seed=10).cuda()
+    decoders: list = []
+    counts = speculative_samples(model, heads, TreePolicy(kind="dynamic", max_nodes=10, topk=4), prefix, first,
+                                 params, 2, samples, seed=3, on_decoder=decoders.append,
+                                 runner_type=CudaGraphRunner)
+    assert all(d._chain is not None for d in decoders), "a sample did not run on the tree chain"
+    p = chi_square_p(counts, expected, samples)
+    print(f"chained sampled tree steps on CUDA: chi-square p = {p:.3f} over {samples} samples")
+    assert p > 0.01, f"chained samples on CUDA do not fit the base distribution (p = {p:.2e})"
+
+    seeded = SamplingParams(temperature=0.7, max_tokens=TOKENS, seed=5)
+    runs = [bf16.generate(mt_bench_prompts[0], seeded, mode="speculative") for _ in range(2)]
+    assert any(key[1][0] > 0 for key in bf16.runner._tree_chains), "the bundled model's T = 0.7 chain did not start"
+    assert runs[0].token_ids == runs[1].token_ids, "a seeded sampled run did not replay"
+    assert runs[0].mean_accepted > 1.3, f"tau {runs[0].mean_accepted}: drafts were hardly accepted"
 
 
 def test_fused_forward_is_on_and_computes_the_reference_forward(bf16, mt_bench_prompts) -> None:

@@ -9,8 +9,6 @@ runs out of room and hands its state back to the host path.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -20,44 +18,9 @@ from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.hydra import HydraHeads
 from elesium.inference.runtime.forward import ForwardRunner
-from elesium.inference.runtime.tree_chain import TreeChain, start_tree_chain
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.training.drafter_training import drafter_loss, padded
-from helpers import VOCAB, tiny_model
-
-
-class EagerReplay:
-    """A stand-in for a captured graph: ``replay()`` runs the step body."""
-
-    def __init__(self, body: Any) -> None:
-        self.body = body
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.body()
-
-
-def eager_capture(body: Any) -> tuple[EagerReplay, torch.Tensor]:
-    """``CudaGraphRunner._record``'s contract: two real warm-up runs, then the "graph"."""
-    body()
-    out = body()
-    return EagerReplay(body), out
-
-
-class ChainRunner(ForwardRunner):
-    """The eager runner with tree chains, as ``CudaGraphRunner`` has them."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.graphs: dict = {}
-        self.chains_started: list[TreeChain] = []
-
-    def tree_chain(self, *args: Any) -> TreeChain | None:
-        chain = start_tree_chain(self, self.graphs, eager_capture, *args)
-        if chain is not None:
-            self.chains_started.append(chain)
-        return chain
+from helpers import VOCAB, ChainRunner, tiny_model
 
 
 PROMPT = [(5 * i + 1) % VOCAB for i in range(11)]
@@ -99,12 +62,13 @@ def setup() -> tuple:
     return model, heads, want
 
 
-def decode(setup: tuple, max_tokens: int, nodes: int,
-           runner: ChainRunner | None = None) -> tuple[list[int], list, ChainRunner]:
+def decode(setup: tuple, max_tokens: int, nodes: int, runner: ChainRunner | None = None,
+           temperature: float = 0.0, seed: int = 0) -> tuple[list[int], list, ChainRunner]:
     model, heads, _ = setup
     runner = runner or ChainRunner(model, model.new_cache(128), heads)
     policy = TreePolicy(kind="dynamic", max_nodes=nodes, topk=3, expand_width=4, adapt=False)
-    dec = TreeDecoder(runner, heads, SamplingParams(max_tokens=max_tokens), Sampler(0), policy)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0)
+    dec = TreeDecoder(runner, heads, params, Sampler(seed), policy)
     got = [dec.prefill(PROMPT)]
     records = []
     while len(got) < max_tokens:
@@ -153,3 +117,22 @@ def test_a_second_generation_reuses_the_captured_step(setup: tuple) -> None:
     second, _, _ = decode(setup, 40, 6, runner)
     assert first == second == want[:40]
     assert len(runner.graphs) == 1 and graph.replays > before
+
+
+@torch.inference_mode()
+def test_sampled_chain_replays_from_its_seed_and_hands_back(setup: tuple) -> None:
+    """At T > 0 the chain samples on the device from the generation's own uniforms: the same seed gives
+    the same tokens (also through a hand-back to the host path near a full cache, which continues
+    from the Sampler after the chain's draws), a second setting gets its own graph, and another seed
+    gives another text. Exactness itself: tests/test_exactness.py."""
+    first, records, runner = decode(setup, 110, 16, temperature=0.8, seed=3)
+    again, _, _ = decode(setup, 110, 16, runner, temperature=0.8, seed=3)
+    other, _, _ = decode(setup, 110, 16, runner, temperature=0.8, seed=4)
+    assert first == again and len(first) == 110
+    assert other != first
+    chain_steps = sum(1 for r in records if r.predicted == 0.0 and r.tree_size == 16)
+    assert 0 < chain_steps < len(records), "both the chain and the host path should have run"
+    assert any(r.accepted_length > 1 for r in records[:chain_steps]), "sampled drafts should be accepted"
+    greedy, _, _ = decode(setup, 20, 16, runner)
+    assert greedy == setup[2][:20]
+    assert len(runner.graphs) == 2, "greedy and T = 0.8 each capture their own step"

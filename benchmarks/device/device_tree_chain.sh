@@ -5,6 +5,9 @@
 # prompts, then `elesium bench` at T = 0 on MT-Bench. bf16, CUDA graphs, invariant numerics on. Model
 # transfer: device_model.sh (call 1 carried .model/z_00, .model/SHA256 and .whl; this call carries
 # .model/z_01). Writes summary.md and one JSON per step; the logs travel as logs.tar.gz.
+# Knobs: TESTS=0/1 and TESTS_K (the -k filter), SETS and NODES for benchmarks/tree_chain.py and CHAIN_TS
+# (its temperatures), PROFILE=1 for the step profile, BENCHES=0/1 and BENCH_TS (`elesium bench`'s
+# temperatures, MT-Bench).
 set -uo pipefail
 CARRY=${CARRY:-/root/whl}
 source "$(dirname "$0")/device_model.sh"
@@ -17,12 +20,14 @@ if [ "${TESTS:-1}" = 1 ]; then
     -p no:cacheprovider --durations=8 -k "${TESTS_K:-tree_chain or speculative_greedy}" >"$OUT/pytest_gpu.log" 2>&1
   echo "exit $?; $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$S"
 fi
-for set in ${SETS:-mt_bench_questions enterprise_prompts}; do
-  echo "== tree chain against host tree steps and vanilla, $set ($(date -u +%T))" | tee -a "$S"
-  ELESIUM_CACHE_DIR=/root/cache_bench timeout ${CHAIN_S:-150} python3 -P benchmarks/tree_chain.py \
-    --prompts tests/data/$set.jsonl --max-tokens 128 --nodes ${NODES:-16,32,48} \
-    --out "$OUT/tree_chain_$set.json" 2>"$OUT/tree_chain_$set.log" | tee -a "$S"
-  echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+for t in ${CHAIN_TS:-0}; do
+  for set in ${SETS:-mt_bench_questions enterprise_prompts}; do
+    echo "== tree chain against host tree steps and vanilla, $set, T=$t ($(date -u +%T))" | tee -a "$S"
+    ELESIUM_CACHE_DIR=/root/cache_bench timeout ${CHAIN_S:-150} python3 -P benchmarks/tree_chain.py \
+      --prompts tests/data/$set.jsonl --max-tokens 128 --nodes ${NODES:-16,32,48} --temperature "$t" \
+      --out "$OUT/tree_chain_${set}_t$t.json" 2>"$OUT/tree_chain_${set}_t$t.log" | tee -a "$S"
+    echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+  done
 done
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== step profile, host tree steps then the device tree chain ($(date -u +%T))" | tee -a "$S"
@@ -31,7 +36,9 @@ if [ "${PROFILE:-0}" = 1 ]; then
   echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
 fi
 if [ "${BENCHES:-1}" = 1 ]; then
-  bench t0_mt_bench ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl
+  for t in ${BENCH_TS:-0}; do
+    bench "t${t}_mt_bench" ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl --temperature "$t"
+  done
 fi
 echo "end $(date -u +%FT%TZ)" | tee -a "$S"
 (cd "$OUT" && tar czf logs.tar.gz ./*.log summary.md && rm -f ./*.log)

@@ -69,8 +69,9 @@ class TreeDecoder:
         self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
         self.steps = 0
         self.emitted = 0  # tokens committed by the steps so far
-        # Greedy Hydra steps on CUDA come from a self-feeding graph (runtime.tree_chain) until the
-        # cache is too full for another fixed-size step; None where the runner has none.
+        # Hydra steps on CUDA (greedy, or exact sampling) come from a self-feeding graph
+        # (runtime.tree_chain) until the cache is too full for another fixed-size step; None where
+        # the runner has none.
         self._chain: TreeChain | None = None
         self._chain_tried = False
 
@@ -129,8 +130,9 @@ class TreeDecoder:
         return Expansion.from_device(tokens, logprobs, parents, width, self.policy.draft_temperature)
 
     def _chainable(self) -> bool:
-        """Greedy Hydra steps with the runner's own heads (the chain drafts with those) and no grammar."""
-        return (self._array_tree() and self.params.greedy and self.mode == "speculative"
+        """Hydra steps with the runner's own heads (the chain drafts with those), no grammar, and exact
+        acceptance (greedy or sampled; typical acceptance stays on the host)."""
+        return (self._array_tree() and self.mode == "speculative"
                 and self.rows is not None and self.heads is self.runner.heads)
 
     def _chain_step(self, room: int | None, start: float) -> tuple[list[int], StepRecord] | None:
@@ -142,9 +144,11 @@ class TreeDecoder:
                 assert self.rows is not None
                 shape = TreeShape(self.policy.max_nodes, self.policy.expand_width, self.policy.draft_topk())
                 limit = self.runner.cache.max_len if room is None else self.offset + room
-                self._chain = self.runner.tree_chain(shape, self.pending, self.offset, self.rows,
-                                                     self.row_tokens, self.row_start,
-                                                     self.policy.draft_temperature, limit)
+                self._chain = self.runner.tree_chain(
+                    shape, self.pending, self.offset, self.rows, self.row_tokens, self.row_start,
+                    self.policy.draft_temperature, limit, self.params,
+                    None if self.params.greedy else self.sampler.uniforms,
+                    max(1, self.params.max_tokens - 1 - self.emitted))
         if self._chain is None:
             return None
         wanted = max(1, self.params.max_tokens - 1 - self.emitted)

@@ -19,7 +19,7 @@ from elesium.inference.runtime.model import KVCache, Transformer
 
 if TYPE_CHECKING:
     from elesium.inference.runtime.decode_chain import DecodeChain
-    from elesium.inference.runtime.tree_chain import TreeChain, TreeShape
+    from elesium.inference.runtime.tree_chain import ChainGraphs, TreeChain, TreeShape
     from elesium.inference.sampling import SamplingParams
 
 PREFILL_CHUNK = 512
@@ -133,10 +133,11 @@ class ForwardRunner:
         return None
 
     def tree_chain(self, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
-                   row_tokens: list[int], row_start: int, draft_temperature: float,
-                   limit: int) -> TreeChain | None:
-        """Self-feeding greedy tree steps (``runtime.tree_chain``) where the runner has them (CUDA
-        graphs); None here."""
+                   row_tokens: list[int], row_start: int, draft_temperature: float, limit: int,
+                   params: SamplingParams, draw: Callable[[int], torch.Tensor] | None,
+                   max_tokens: int | None) -> TreeChain | None:
+        """Self-feeding tree steps (``runtime.tree_chain``) where the runner has them (CUDA graphs);
+        None here."""
         return None
 
     @property
@@ -230,8 +231,9 @@ class CudaGraphRunner(ForwardRunner):
         self._chains: dict[tuple[float, int, float], tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
         self._chain_io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.chains = True  # off: vanilla steps take the synchronous bucket-1 graph (A/B runs)
-        # The self-feeding greedy tree steps (tree_chain), one graph per tree shape, with their buffers.
-        self._tree_chains: dict[TreeShape, tuple[torch.cuda.CUDAGraph, tuple[Any, ...]]] = {}
+        # The self-feeding tree steps (tree_chain), one graph per tree shape and sampling setting,
+        # with their buffers.
+        self._tree_chains: ChainGraphs = {}
         self.tree_chains = True  # off: tree steps go through the host (A/B runs)
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
@@ -266,16 +268,19 @@ class CudaGraphRunner(ForwardRunner):
         return DecodeChain(self._chains[key][0], state, token, offset, limit)
 
     def tree_chain(self, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
-                   row_tokens: list[int], row_start: int, draft_temperature: float,
-                   limit: int) -> TreeChain | None:
-        """Greedy tree steps that feed themselves on the device (``tree_chain.start_tree_chain``), one
-        graph per tree shape, captured on first use; None without expanding heads of the runner's own."""
+                   row_tokens: list[int], row_start: int, draft_temperature: float, limit: int,
+                   params: SamplingParams, draw: Callable[[int], torch.Tensor] | None,
+                   max_tokens: int | None) -> TreeChain | None:
+        """Tree steps that feed themselves on the device (``tree_chain.start_tree_chain``), one graph
+        per tree shape and sampling setting (at most ``MAX_CHAIN_GRAPHS`` settings' worth), captured
+        on first use; None without expanding heads of the runner's own."""
         from elesium.inference.runtime.tree_chain import start_tree_chain
 
         if not self.tree_chains:
             return None
         return start_tree_chain(self, self._tree_chains, self._record, shape, pending, offset, rows,
-                                row_tokens, row_start, draft_temperature, limit)
+                                row_tokens, row_start, draft_temperature, limit, params, draw, max_tokens,
+                                MAX_CHAIN_GRAPHS)
 
     def set_heads(self, heads: DraftHeads | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""

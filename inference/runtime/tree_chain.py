@@ -1,18 +1,26 @@
-"""Greedy tree speculative decoding on CUDA as one self-feeding graph per step.
+"""Tree speculative decoding on CUDA as one self-feeding graph per step, greedy or sampled.
 
 The host tree step (``decoding/speculative.py``) synchronises twice: it reads the drafts back to
 choose the tree, and the verify forward's argmax back to walk it, with the GPU idle while Python
 works (BENCHMARKS.md §6e: a 2.7 ms step holding 1.7 ms of GPU work). Here one captured graph goes
 from one step's accepted tokens to the next step's: the drafter and the heads (``draft_tree``), the
-tree chosen on the device (``device_tree.py``), the verify forward, greedy acceptance, the move of the
-accepted path's K/V to contiguous slots, and the state the next step starts from. Like the vanilla
+tree chosen on the device (``device_tree.py``), the verify forward, acceptance (greedy, or exact
+rejection sampling), the move of the accepted path's K/V to contiguous slots, and the state the next
+step starts from. Like the vanilla
 chain (``decode_chain.py``) it reads and writes only device buffers, so the host keeps a few replays
 in flight and reads each step's small record (tokens committed, the path) through a pinned buffer
 and an event, while detokenising and stop strings overlap the next steps.
 
-Device state (int64 ``ints``): ``[pending, offset, start, last, row_tokens...]`` plus the drafter's
-rows ``[R, H]``: the hidden states of the positions the last step accepted, written from slot
-``start``, each paired with the token after it; ``last`` is the index of the newest. That is exactly
+Device state (int64 ``ints``): ``[pending, offset, start, last, step, row_tokens...]`` plus the
+drafter's rows ``[R, H]``: the hidden states of the positions the last step accepted, written from
+slot ``start``, each paired with the token after it; ``last`` is the index of the newest; ``step``
+counts the chain's steps.
+
+Sampling: the sampling parameters are baked into the graph (one graph per tree shape and setting, as
+the vanilla chain has one per setting), and the uniforms are the generation's own, drawn up front
+from its seeded ``Sampler``: step s of the chain reads ``draws[s * N : (s + 1) * N]``, one per tree
+node (``device_tree.accept_sampled``). So a seeded run replays to the same tokens, and the host path
+that may finish the generation after ``hand_back`` continues from the Sampler after those draws. That is exactly
 what ``TreeDecoder`` keeps on the host between steps, so a chain can start from a host state and hand
 its state back (``hand_back``) when the cache is too full for another fixed-size step.
 
@@ -36,6 +44,7 @@ import torch
 from elesium.inference.decoding.device_tree import (
     ExpansionLayout,
     accept_greedy,
+    accept_sampled,
     best_first,
     candidate_scores,
     device_tree,
@@ -43,6 +52,7 @@ from elesium.inference.decoding.device_tree import (
 from elesium.inference.drafters.protocol import ExpandingHeads, expands
 from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_tree
 from elesium.inference.runtime.model import KVCache, Transformer
+from elesium.inference.sampling import SamplingParams, target_probs
 
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Any, torch.Tensor]]
 """Warm a step body up and capture it: ``CudaGraphRunner._record`` (two real runs, then a graph); tests
@@ -52,8 +62,15 @@ LOOKAHEAD = 2
 """Steps in flight ahead of the one being read. A step is ~2 vanilla forwards long, so two already
 cover any host turn; each wasted step at a stop costs one step of GPU time."""
 
-INTS = 4
-"""``ints`` before the row tokens: pending, offset, start, last."""
+INTS = 5
+"""``ints`` before the row tokens: pending, offset, start, last, step."""
+
+SamplingKey = tuple[float, int, float]
+"""(temperature, top-k, top-p); greedy is (0, 0, 1)."""
+
+
+def sampling_key(params: SamplingParams) -> SamplingKey:
+    return (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
 
 
 @dataclass(frozen=True)
@@ -80,13 +97,15 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
                    drafter_cache: tuple[torch.Tensor, torch.Tensor] | None,
                    step: Callable[..., StepOutputs], ints: torch.Tensor, rows: torch.Tensor,
                    temperature: torch.Tensor, record: torch.Tensor, shape: TreeShape,
-                   ) -> Callable[[], torch.Tensor]:
-    """The captured step. ``temperature`` is a float64 ``[1]``; ``record`` receives ``[length, tree
-    depth, committed (D + 1), path (D + 1)]``."""
+                   params: SamplingParams, draws: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The captured step. ``temperature`` (the drafts') is a float64 ``[1]``; ``record`` receives
+    ``[length, tree depth, committed (D + 1), path (D + 1)]``; ``draws`` holds the uniforms when
+    ``params`` sample, ``N`` per step."""
     depth = heads.num_heads
     r = depth + 1
     layout = ExpansionLayout.of(depth, shape.width, shape.topk)
     count = min(shape.nodes - 1, layout.candidates)
+    n = count + 1
 
     def body() -> torch.Tensor:
         # Every constant is made inside the body, so that it lives in the graph's own memory: a
@@ -99,11 +118,16 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
         cand = candidate_scores(logprobs, parents, layout, temperature)
         tree = device_tree(pending, tokens, cand, best_first(cand, count), depth)
         out = step(tree.tokens.view(1, -1), offset + tree.depth, tree.ancestors, offset, with_drafts=False)
-        acc = accept_greedy(tree, out.greedy, depth)
+        steps = ints[4:5]
+        if params.greedy:
+            acc = accept_greedy(tree, out.greedy, depth)
+        else:
+            uniforms = draws.index_select(0, steps * n + torch.arange(n, device=ints.device))
+            acc = accept_sampled(tree, target_probs(out.logits, params), uniforms, depth)
         cache.move(offset + acc.path, offset + lanes)
         rows.copy_(out.hidden.index_select(0, acc.path))
         at = offset.reshape(1)
-        ints.copy_(torch.cat([acc.bonus, at + acc.length, at, acc.length - 1, acc.committed]))
+        ints.copy_(torch.cat([acc.bonus, at + acc.length, at, acc.length - 1, steps + 1, acc.committed]))
         record.copy_(torch.cat([acc.length, tree.depth.max().reshape(1), acc.committed, acc.path]))
         return record
 
@@ -115,11 +139,13 @@ class TreeChain:
 
     ``limit`` is the first cache slot no step may write. A step at offset o writes slots
     ``o .. o + nodes - 1`` and advances by at most ``depth + 1``, so a launch needs room for the
-    worst case of every step still in flight.
+    worst case of every step still in flight. ``max_steps`` caps the launches (a sampled chain has
+    uniforms for that many steps).
     """
 
     def __init__(self, graph: Any, ints: torch.Tensor, rows: torch.Tensor, record: torch.Tensor, *,
-                 nodes: int, depth: int, offset: int, limit: int, lookahead: int = LOOKAHEAD) -> None:
+                 nodes: int, depth: int, offset: int, limit: int, max_steps: int | None = None,
+                 lookahead: int = LOOKAHEAD) -> None:
         self._graph = graph
         self._ints = ints
         self._rows = rows
@@ -128,6 +154,7 @@ class TreeChain:
         self._depth = depth
         self._limit = limit
         self._offset = offset  # after the last step read
+        self._launches_left = max_steps
         cuda = record.device.type == "cuda"  # on the CPU (tests) each replay has finished when it returns
         self._slots = [torch.zeros_like(record, device="cpu") for _ in range(lookahead + 1)]
         if cuda:
@@ -138,6 +165,8 @@ class TreeChain:
         self._lookahead = lookahead
 
     def _fits(self, ahead: int) -> bool:
+        if self._launches_left is not None and self._launches_left <= 0:
+            return False
         return self._offset + ahead * (self._depth + 1) + self.nodes <= self._limit
 
     def next_step(self, wanted: int) -> ChainStep | None:
@@ -164,12 +193,14 @@ class TreeChain:
         if self._inflight:
             raise RuntimeError("steps are still in flight")
         ints = self._ints.tolist()
-        pending, offset, start, last = ints[:INTS]
+        pending, offset, start, last = ints[:4]
         n = last + 1
         return pending, offset, start, ints[INTS:INTS + n], self._rows[:n].clone()
 
     def _launch(self) -> None:
         slot = self._free.popleft()
+        if self._launches_left is not None:
+            self._launches_left -= 1
         self._graph.replay()
         self._slots[slot].copy_(self._record, non_blocking=self._events[slot] is not None)
         event = self._events[slot]
@@ -178,18 +209,26 @@ class TreeChain:
         self._inflight.append(slot)
 
 
-def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, tuple[Any, ...]]],
-                     capture: Capture, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
-                     row_tokens: list[int], row_start: int, draft_temperature: float,
-                     limit: int) -> TreeChain | None:
+ChainGraphs = dict[tuple[TreeShape, SamplingKey], tuple[Any, tuple[Any, ...]]]
+
+
+def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Capture, shape: TreeShape,
+                     pending: int, offset: int, rows: torch.Tensor, row_tokens: list[int], row_start: int,
+                     draft_temperature: float, limit: int, params: SamplingParams,
+                     draw: Callable[[int], torch.Tensor] | None = None, max_tokens: int | None = None,
+                     max_graphs: int | None = None) -> TreeChain | None:
     """A chain from the host decoder's state: ``rows`` ``[n, H]`` (n <= heads + 1) written from slot
     ``row_start``, each paired with its entry of ``row_tokens``, the last one with ``pending``.
 
-    ``graphs`` keeps one captured step per shape with the buffers it reads (kept alive, so neither the
-    allocator nor later captures reuse them). Capture happens on first use with the call's real state:
-    warm-up runs two real steps, whose writes lie at or past ``offset`` except the drafter row at
-    ``row_start``, which gets the value the first replay writes again; then the state is set back.
-    None where the runner has no expanding heads of its own, or the cache cannot hold the first steps.
+    ``graphs`` keeps one captured step per (shape, sampling setting) with the buffers it reads (kept
+    alive, so neither the allocator nor later captures reuse them); past ``max_graphs`` of them a new
+    setting gets no chain. Capture happens on first use with the call's real state: warm-up runs two
+    real steps, whose writes lie at or past ``offset`` except the drafter row at ``row_start``, which
+    gets the value the first replay writes again; then the state is set back. ``draw(n)`` gives the
+    generation's next ``n`` uniforms (float64) when sampling; it is called only once the chain is
+    sure to start, for ``nodes`` uniforms a step and as many steps as tokens may still be taken
+    (``max_tokens``, at most the cache's free slots): each step commits at least one. None where the runner has no expanding heads of its own, or the cache cannot hold
+    the first steps.
     """
     heads = runner.heads
     if heads is None or not expands(heads):
@@ -198,19 +237,33 @@ def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, t
     r = depth + 1
     nodes = min(shape.nodes, ExpansionLayout.of(depth, shape.width, shape.topk).candidates + 1)
     # Warm-up and the first replays may advance up to three steps before the host reads one.
-    if len(row_tokens) > r or offset + 3 * r + nodes > min(limit, runner.cache.max_len):
+    limit = min(limit, runner.cache.max_len)
+    if len(row_tokens) > r or offset + 3 * r + nodes > limit:
         return None
-    captured = graphs.get(shape)
+    key = (shape, sampling_key(params))
+    captured = graphs.get(key)
+    if captured is None and max_graphs is not None and len(graphs) >= max_graphs:
+        return None
+    if not params.greedy and draw is None:
+        raise ValueError("a sampled chain needs the generation's uniforms (draw)")
     dev = runner.device
     io = captured[1] if captured else (
         torch.zeros(INTS + r, dtype=torch.long, device=dev),
         torch.zeros(r, rows.shape[-1], dtype=rows.dtype, device=dev),
         torch.zeros(1, dtype=torch.float64, device=dev),
-        torch.zeros(2 + 2 * r, dtype=torch.long, device=dev))
-    ints, buf, temperature, record = io[:4]
+        torch.zeros(2 + 2 * r, dtype=torch.long, device=dev),
+        # Every step commits a token, so no chain takes more steps than the cache has slots.
+        torch.zeros(0 if params.greedy else runner.cache.max_len * nodes, dtype=torch.float64, device=dev))
+    ints, buf, temperature, record, draws = io[:5]
+    max_steps = None
+    if not params.greedy:
+        assert draw is not None
+        max_steps = limit - offset if max_tokens is None else max(1, min(max_tokens, limit - offset))
+        uniforms = draw(max_steps * nodes)
+        draws[:uniforms.numel()].copy_(uniforms)
     n = len(row_tokens)
     state = torch.zeros(INTS + r, dtype=torch.long)
-    state[:INTS] = torch.tensor([pending, offset, row_start, n - 1])
+    state[:INTS] = torch.tensor([pending, offset, row_start, n - 1, 0])
     state[INTS:INTS + n] = torch.tensor(row_tokens)
 
     def reset() -> None:
@@ -222,9 +275,9 @@ def start_tree_chain(runner: ForwardRunner, graphs: dict[TreeShape, tuple[Any, t
     reset()
     if captured is None:
         body = tree_step_body(runner.model, heads, runner.cache, runner.drafter_cache, runner.step_outputs,
-                              ints, buf, temperature, record, shape)
+                              ints, buf, temperature, record, shape, params, draws)
         graph, _ = capture(body)
-        captured = graphs[shape] = (graph, io + (body,))  # the body too: whatever it holds stays alive
+        captured = graphs[key] = (graph, io + (body,))  # the body too: whatever it holds stays alive
         reset()
-    return TreeChain(captured[0], ints, buf, record, nodes=nodes, depth=depth, offset=offset,
-                     limit=min(limit, runner.cache.max_len))
+    return TreeChain(captured[0], ints, buf, record, nodes=nodes, depth=depth, offset=offset, limit=limit,
+                     max_steps=max_steps)
