@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--nodes", default="16,32", help="device tree sizes to run (comma-separated)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--eager-logic", action="store_true",
+                    help="also run each chain with its tree logic as eager kernels (not torch.compile)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -43,14 +45,18 @@ def main() -> None:
     if not isinstance(runner, CudaGraphRunner) or engine.heads is None:
         raise SystemExit("this compares CUDA-graph tree steps: no CUDA graph runner or no heads")
     greedy = args.temperature == 0.0
-    systems: dict[str, tuple[str, bool, object]] = {"vanilla": ("vanilla", True, None),
-                                                    "host_tree": ("speculative", False, None)}
+    systems: dict[str, tuple[str, bool, object, bool]] = {"vanilla": ("vanilla", True, None, True),
+                                                          "host_tree": ("speculative", False, None, True)}
     for n in (int(x) for x in args.nodes.split(",")):
-        systems[f"chain_{n}"] = ("speculative", True, dataclasses.replace(engine.policy, max_nodes=n))
+        policy = dataclasses.replace(engine.policy, max_nodes=n)
+        systems[f"chain_{n}"] = ("speculative", True, policy, True)
+        if args.eager_logic:
+            systems[f"chain_{n}_eager_logic"] = ("speculative", True, policy, False)
 
     def run(prompt: str, name: str, seed: int) -> dict:
-        mode, chains, policy = systems[name]
+        mode, chains, policy, compiled = systems[name]
         runner.tree_chains = chains
+        runner.compile_tree_logic = compiled
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
         g = engine.generate(prompt, params, mode=mode, policy=policy)
         return {"tokens": g.token_ids, "ms": 1000.0 * g.elapsed_s / max(1, g.new_tokens),
@@ -67,7 +73,7 @@ def main() -> None:
         out.append({"prompt": i, "tokens": len(base)} | {
             name: {"ms_per_token": r["ms"], "tau": r["tau"], "identical": greedy and r["tokens"] == base}
             for name, r in res.items()})
-    runner.tree_chains = True
+    runner.tree_chains = runner.compile_tree_logic = True
     summary: dict = {"prompts": len(out), "max_tokens": args.max_tokens, "temperature": args.temperature,
                      "engine": engine.describe(), "host_policy_max_nodes": engine.policy.max_nodes}
     for name in names:

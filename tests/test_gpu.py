@@ -224,6 +224,41 @@ def test_sampled_speculative_is_exact_on_device() -> None:
     assert p > 0.01, f"speculative samples on CUDA do not fit the base distribution (p = {p:.2e})"
 
 
+def test_compiled_tree_logic_equals_eager() -> None:
+    """The chain's tree choice and acceptance through torch.compile (tree_chain.tree_logic) against the
+    same functions run eagerly, on CUDA, on random expansions of the H200 profile's shape: the same
+    trees, paths, committed tokens and bonus tokens, greedy and sampled."""
+    import numpy as np
+
+    from elesium.inference.decoding.device_tree import ExpansionLayout
+    from elesium.inference.runtime.tree_chain import tree_logic
+    from elesium.inference.sampling import target_probs
+    from test_expanded_tree import random_expansion
+
+    rng = np.random.default_rng(0)
+    levels, width, k, count = 4, 8, 8, 31
+    layout = ExpansionLayout.of(levels, width, k)
+    for greedy in (True, False):
+        eager = tree_logic(layout, count, levels, greedy, compiled=False)
+        compiled = tree_logic(layout, count, levels, greedy, compiled=True)
+        for _ in range(20):
+            tokens, logprobs, parents = random_expansion(rng, levels, width, k)
+            args = (torch.tensor([3]), torch.from_numpy(tokens), torch.from_numpy(logprobs),
+                    torch.from_numpy(parents), torch.tensor([float(rng.uniform(0.5, 2))], dtype=torch.float64))
+            args = tuple(a.cuda() for a in args)
+            tree, tree_c = eager[0](*args), compiled[0](*args)
+            assert all(torch.equal(a, b) for a, b in zip(tree, tree_c)), "compiled tree choice differs"
+            n = tree[0].numel()
+            if greedy:
+                scores, u = torch.from_numpy(rng.integers(0, 40, size=n)).cuda(), None
+            else:
+                logits = torch.from_numpy(rng.normal(size=(n, 40)).astype(np.float32)).cuda() * 2
+                scores = target_probs(logits, SamplingParams(temperature=0.8, top_p=0.9))
+                u = torch.from_numpy(rng.random(n)).cuda()
+            got, want = compiled[1](tree, scores, u), eager[1](tree, scores, u)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), "compiled acceptance differs"
+
+
 def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) -> None:
     """T > 0 through the captured tree step (tree_chain.py with ``accept_sampled``): the exact joint of
     the next two tokens (chi-square, through the real CUDA graphs of a tiny model with a drafter); and

@@ -235,6 +235,7 @@ class CudaGraphRunner(ForwardRunner):
         # with their buffers.
         self._tree_chains: ChainGraphs = {}
         self.tree_chains = True  # off: tree steps go through the host (A/B runs)
+        self.compile_tree_logic = True  # off: the chain's tree logic runs as eager kernels (A/B runs)
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
                      draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:

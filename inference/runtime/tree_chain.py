@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from elesium.inference.decoding.device_tree import (
+    DeviceTree,
     ExpansionLayout,
     accept_greedy,
     accept_sampled,
@@ -93,19 +94,54 @@ class ChainStep:
     tree_depth: int
 
 
+TreeLogic = tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., tuple[torch.Tensor, ...]]]
+
+
+def tree_logic(layout: ExpansionLayout, count: int, depth: int, greedy: bool, compiled: bool) -> TreeLogic:
+    """The step's tree choice and acceptance, as two functions of tensors (tuples in and out).
+
+    ``compiled``: through ``torch.compile`` (inductor), which fuses their ~150 small pointwise,
+    indexing and reduction kernels into a few; inside a CUDA graph each kernel costs its launch gap
+    as well as its work. Only the bookkeeping is compiled: the target probabilities stay eager
+    (``target_probs``, the one definition vanilla sampling uses). The chosen set and the greedy path
+    are the same from either (tests/test_gpu.py compares them); the sampled walk's float64 masses may
+    round differently in the last bit, which could move a decision only for a uniform within ~1e-16
+    of its threshold. Compilation happens at the first (warm-up) call, per captured step.
+    """
+
+    def choose(pending: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, parents: torch.Tensor,
+               temperature: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cand = candidate_scores(logprobs, parents, layout, temperature)
+        t = device_tree(pending, tokens, cand, best_first(cand, count), depth)
+        return t.tokens, t.parent, t.depth, t.ancestors
+
+    def accept(tree: tuple[torch.Tensor, ...], scores: torch.Tensor,
+               uniforms: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        t = DeviceTree(*tree)
+        a = accept_greedy(t, scores, depth) if greedy else accept_sampled(t, scores, uniforms, depth)
+        return a.path, a.length, a.committed, a.bonus
+
+    if not compiled:
+        return choose, accept
+    return (torch.compile(choose, fullgraph=True, dynamic=False),
+            torch.compile(accept, fullgraph=True, dynamic=False))
+
+
 def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
                    drafter_cache: tuple[torch.Tensor, torch.Tensor] | None,
                    step: Callable[..., StepOutputs], ints: torch.Tensor, rows: torch.Tensor,
                    temperature: torch.Tensor, record: torch.Tensor, shape: TreeShape,
-                   params: SamplingParams, draws: torch.Tensor) -> Callable[[], torch.Tensor]:
+                   params: SamplingParams, draws: torch.Tensor, compiled: bool = False,
+                   ) -> Callable[[], torch.Tensor]:
     """The captured step. ``temperature`` (the drafts') is a float64 ``[1]``; ``record`` receives
     ``[length, tree depth, committed (D + 1), path (D + 1)]``; ``draws`` holds the uniforms when
-    ``params`` sample, ``N`` per step."""
+    ``params`` sample, ``N`` per step; ``compiled``: ``tree_logic``'s."""
     depth = heads.num_heads
     r = depth + 1
     layout = ExpansionLayout.of(depth, shape.width, shape.topk)
     count = min(shape.nodes - 1, layout.candidates)
     n = count + 1
+    choose, accept = tree_logic(layout, count, depth, params.greedy, compiled)
 
     def body() -> torch.Tensor:
         # Every constant is made inside the body, so that it lives in the graph's own memory: a
@@ -115,20 +151,20 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
         pending, offset, start = ints[0], ints[1], ints[2]
         tokens, logprobs, parents = draft_tree(model, heads, rows, ints[INTS:INTS + r], start,
                                                ints[3:4], shape.width, shape.topk, drafter_cache)
-        cand = candidate_scores(logprobs, parents, layout, temperature)
-        tree = device_tree(pending, tokens, cand, best_first(cand, count), depth)
-        out = step(tree.tokens.view(1, -1), offset + tree.depth, tree.ancestors, offset, with_drafts=False)
+        tree = choose(pending, tokens, logprobs, parents, temperature)
+        node_tokens, _, node_depth, ancestors = tree
+        out = step(node_tokens.view(1, -1), offset + node_depth, ancestors, offset, with_drafts=False)
         steps = ints[4:5]
         if params.greedy:
-            acc = accept_greedy(tree, out.greedy, depth)
+            path, length, committed, bonus = accept(tree, out.greedy, None)
         else:
             uniforms = draws.index_select(0, steps * n + torch.arange(n, device=ints.device))
-            acc = accept_sampled(tree, target_probs(out.logits, params), uniforms, depth)
-        cache.move(offset + acc.path, offset + lanes)
-        rows.copy_(out.hidden.index_select(0, acc.path))
+            path, length, committed, bonus = accept(tree, target_probs(out.logits, params), uniforms)
+        cache.move(offset + path, offset + lanes)
+        rows.copy_(out.hidden.index_select(0, path))
         at = offset.reshape(1)
-        ints.copy_(torch.cat([acc.bonus, at + acc.length, at, acc.length - 1, steps + 1, acc.committed]))
-        record.copy_(torch.cat([acc.length, tree.depth.max().reshape(1), acc.committed, acc.path]))
+        ints.copy_(torch.cat([bonus, at + length, at, length - 1, steps + 1, committed]))
+        record.copy_(torch.cat([length, node_depth.max().reshape(1), committed, path]))
         return record
 
     return body
@@ -209,7 +245,8 @@ class TreeChain:
         self._inflight.append(slot)
 
 
-ChainGraphs = dict[tuple[TreeShape, SamplingKey], tuple[Any, tuple[Any, ...]]]
+ChainGraphs = dict[tuple[TreeShape, SamplingKey, bool], tuple[Any, tuple[Any, ...]]]
+"""Captured steps by (tree shape, sampling setting, compiled tree logic)."""
 
 
 def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Capture, shape: TreeShape,
@@ -240,7 +277,8 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
     limit = min(limit, runner.cache.max_len)
     if len(row_tokens) > r or offset + 3 * r + nodes > limit:
         return None
-    key = (shape, sampling_key(params))
+    compiled = bool(getattr(runner, "compile_tree_logic", False))
+    key = (shape, sampling_key(params), compiled)
     captured = graphs.get(key)
     if captured is None and max_graphs is not None and len(graphs) >= max_graphs:
         return None
@@ -275,7 +313,7 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
     reset()
     if captured is None:
         body = tree_step_body(runner.model, heads, runner.cache, runner.drafter_cache, runner.step_outputs,
-                              ints, buf, temperature, record, shape, params, draws)
+                              ints, buf, temperature, record, shape, params, draws, compiled)
         graph, _ = capture(body)
         captured = graphs[key] = (graph, io + (body,))  # the body too: whatever it holds stays alive
         reset()
