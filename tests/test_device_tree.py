@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from elesium.inference.decoding.device_tree import (
+    Candidates,
     ExpansionLayout,
     accept_greedy,
     best_first,
+    best_first_by_sorting,
     candidate_scores,
     device_tree,
 )
@@ -54,6 +56,7 @@ def test_device_tree_and_acceptance_equal_the_host_path(seed: int) -> None:
     chosen = best_first(cand, count)
     expected = best_candidates(host, count)
     assert chosen.tolist() == expected.tolist()
+    assert best_first_by_sorting(cand, count).tolist() == expected.tolist()
 
     root = 7
     tree = device_tree(torch.tensor(root), torch.from_numpy(tokens), cand, chosen, levels)
@@ -112,3 +115,16 @@ def test_a_tie_with_the_parent_keeps_the_tree_prefix_closed() -> None:
     assert chosen.tolist() == [0, 1, 2]
     tree = device_tree(torch.tensor(1), tokens, cand, chosen, 2)
     assert tree.parent.tolist() == [0, 0, 0, 1] and tree.tokens.tolist() == [1, 5, 6, 7]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ranking_equals_sorting_under_many_ties(seed: int) -> None:
+    """Scores from three values and depths from four: almost every comparison is a tie, so the order
+    rests on the tie-breaks (shallower, then lower index), which the rank form must apply as the
+    stable sorts do."""
+    g = torch.Generator().manual_seed(seed)
+    c = 120
+    cand = Candidates(-torch.randint(1, 4, (c,), generator=g).double(), torch.full((c,), -1),
+                      torch.randint(1, 5, (c,), generator=g))
+    for count in (1, 7, 60, c):
+        assert best_first(cand, count).tolist() == best_first_by_sorting(cand, count).tolist()

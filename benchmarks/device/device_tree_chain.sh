@@ -24,7 +24,7 @@ for t in ${CHAIN_TS:-0}; do
   for set in ${SETS:-mt_bench_questions enterprise_prompts}; do
     echo "== tree chain against host tree steps and vanilla, $set, T=$t ($(date -u +%T))" | tee -a "$S"
     ELESIUM_CACHE_DIR=/root/cache_bench timeout ${CHAIN_S:-150} python3 -P benchmarks/tree_chain.py \
-      --prompts tests/data/$set.jsonl --max-tokens 128 --nodes ${NODES:-16,32,48} --temperature "$t" \
+      --prompts tests/data/$set.jsonl --max-tokens 128 --nodes ${NODES:-16,32,48} --temperature "$t" ${CHAIN_ARGS:-} \
       --out "$OUT/tree_chain_${set}_t$t.json" 2>"$OUT/tree_chain_${set}_t$t.log" | tee -a "$S"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
   done
