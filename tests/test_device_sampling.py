@@ -75,7 +75,7 @@ def test_sampled_acceptance_is_the_sequential_walk() -> None:
 PARENT = [0, 0, 0, 0, 1, 1, 2, 4]
 TOKENS = [5, 0, 1, 2, 1, 3, 0, 5]
 V = 6
-SAMPLES = 20_000
+SAMPLES = 10_000
 
 
 def _fixed_tree() -> tuple[DeviceTree, torch.Tensor]:

@@ -114,7 +114,7 @@ def test_sampling_through_the_chained_tree_step_is_exact(tiny):
 
     Fewer samples than the host tests: every sample starts a chain and runs up to two whole steps as
     tensor code (~9 ms a sample here); tests/test_device_sampling.py checks the acceptance walk alone
-    at 20,000 samples, with a negative control."""
+    at 10,000 samples, with a negative control."""
     model, _ = tiny
     heads = with_random_drafter(random_hydra_heads(32, 3, seed=9, conditioning="chain"), model.config, seed=10)
     samples = 3_000
