@@ -35,7 +35,8 @@ def _random_tree(rng: np.random.Generator) -> tuple[DeviceTree, int]:
     layout = ExpansionLayout.of(levels, width, k)
     cand = candidate_scores(torch.from_numpy(logprobs), torch.from_numpy(parents), layout, 1.0)
     count = int(rng.integers(1, layout.candidates + 1))
-    return device_tree(torch.tensor(3), torch.from_numpy(tokens), cand, best_first(cand, count), levels), levels
+    tree = device_tree(torch.tensor(3), torch.from_numpy(tokens), cand, best_first(cand, count), levels)
+    return tree, levels
 
 
 def _targets(rng: np.random.Generator, tree: DeviceTree, params: SamplingParams) -> torch.Tensor:
@@ -59,10 +60,12 @@ def test_sampled_acceptance_is_the_sequential_walk() -> None:
         for _trial in range(10):
             u = torch.from_numpy(rng.random(tree.tokens.numel()))
             acc = accept_sampled(tree, probs, u, levels)
-            path, bonus = accept_sampled_reference(tree.parent.tolist(), tree.tokens.tolist(), probs, u.tolist())
+            path, bonus = accept_sampled_reference(tree.parent.tolist(), tree.tokens.tolist(), probs,
+                                                   u.tolist())
             length = int(acc.length)
             assert acc.path.tolist()[:length] == path and int(acc.bonus) == bonus
-            assert acc.path.tolist()[length:] == [path[-1]] * (levels + 1 - length), "padded with the last node"
+            padding = [path[-1]] * (levels + 1 - length)
+            assert acc.path.tolist()[length:] == padding, "padded with the last node"
             committed = [int(tree.tokens[c]) for c in path[1:]] + [bonus]
             assert acc.committed.tolist()[:length] == committed
             assert float(probs[path[-1], bonus]) > 0.0, "the bonus must have mass at its node"

@@ -116,7 +116,8 @@ def test_sampling_through_the_chained_tree_step_is_exact(tiny):
     tensor code (~9 ms a sample here); tests/test_device_sampling.py checks the acceptance walk alone
     at 10,000 samples, with a negative control."""
     model, _ = tiny
-    heads = with_random_drafter(random_hydra_heads(32, 3, seed=9, conditioning="chain"), model.config, seed=10)
+    heads = with_random_drafter(random_hydra_heads(32, 3, seed=9, conditioning="chain"), model.config,
+                                seed=10)
     samples = 3_000
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3)  # 2 tokens after FIRST
     decoders = []

@@ -244,7 +244,8 @@ def test_compiled_tree_logic_equals_eager() -> None:
         for _ in range(20):
             tokens, logprobs, parents = random_expansion(rng, levels, width, k)
             args = (torch.tensor([3]), torch.from_numpy(tokens), torch.from_numpy(logprobs),
-                    torch.from_numpy(parents), torch.tensor([float(rng.uniform(0.5, 2))], dtype=torch.float64))
+                    torch.from_numpy(parents),
+                    torch.tensor([float(rng.uniform(0.5, 2))], dtype=torch.float64))
             args = tuple(a.cuda() for a in args)
             tree, tree_c = eager[0](*args), compiled[0](*args)
             assert all(torch.equal(a, b) for a, b in zip(tree, tree_c)), "compiled tree choice differs"
@@ -266,8 +267,14 @@ def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) 
     from elesium.inference.decoding.tree_policy import TreePolicy
     from elesium.inference.runtime.forward import CudaGraphRunner
     from elesium.inference.runtime.invariant import apply_invariant_numerics
-    from spec_harness import (chi_square_p, exact_joint, random_hydra_heads, speculative_samples, tiny_model,
-                              with_random_drafter)
+    from spec_harness import (
+        chi_square_p,
+        exact_joint,
+        random_hydra_heads,
+        speculative_samples,
+        tiny_model,
+        with_random_drafter,
+    )
 
     samples = 4000
     prefix, first = [1, 2, 3], 4
@@ -277,9 +284,9 @@ def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) 
     heads = with_random_drafter(random_hydra_heads(32, 3, seed=9, conditioning="chain"), model.config,
                                 seed=10).cuda()
     decoders: list = []
-    counts = speculative_samples(model, heads, TreePolicy(kind="dynamic", max_nodes=10, topk=4), prefix, first,
-                                 params, 2, samples, seed=3, on_decoder=decoders.append,
-                                 runner_type=CudaGraphRunner)
+    policy = TreePolicy(kind="dynamic", max_nodes=10, topk=4)
+    counts = speculative_samples(model, heads, policy, prefix, first, params, 2, samples, seed=3,
+                                 on_decoder=decoders.append, runner_type=CudaGraphRunner)
     assert all(d._chain is not None for d in decoders), "a sample did not run on the tree chain"
     p = chi_square_p(counts, expected, samples)
     print(f"chained sampled tree steps on CUDA: chi-square p = {p:.3f} over {samples} samples")
@@ -287,7 +294,8 @@ def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) 
 
     seeded = SamplingParams(temperature=0.7, max_tokens=TOKENS, seed=5)
     runs = [bf16.generate(mt_bench_prompts[0], seeded, mode="speculative") for _ in range(2)]
-    assert any(key[1][0] > 0 for key in bf16.runner._tree_chains), "the bundled model's T = 0.7 chain did not start"
+    assert any(key[1][0] > 0 for key in bf16.runner._tree_chains), \
+        "the bundled model's T = 0.7 chain did not start"
     assert runs[0].token_ids == runs[1].token_ids, "a seeded sampled run did not replay"
     assert runs[0].mean_accepted > 1.3, f"tau {runs[0].mean_accepted}: drafts were hardly accepted"
 

@@ -22,7 +22,6 @@ from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.training.drafter_training import drafter_loss, padded
 from helpers import VOCAB, ChainRunner, tiny_model
 
-
 PROMPT = [(5 * i + 1) % VOCAB for i in range(11)]
 
 
@@ -67,7 +66,8 @@ def decode(setup: tuple, max_tokens: int, nodes: int, runner: ChainRunner | None
     model, heads, _ = setup
     runner = runner or ChainRunner(model, model.new_cache(128), heads)
     policy = TreePolicy(kind="dynamic", max_nodes=nodes, topk=3, expand_width=4, adapt=False)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0)
+    top_p = 0.95 if temperature else 1.0
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     dec = TreeDecoder(runner, heads, params, Sampler(seed), policy)
     got = [dec.prefill(PROMPT)]
     records = []

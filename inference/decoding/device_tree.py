@@ -183,13 +183,15 @@ def accept_greedy(tree: DeviceTree, greedy: torch.Tensor, max_depth: int) -> Acc
     return _acceptance(tree, walk[(length - 1 - j).clamp(min=0)], length, greedy[deepest])
 
 
-def _acceptance(tree: DeviceTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
+def _acceptance(tree: DeviceTree, path: torch.Tensor, length: torch.Tensor,
+                bonus: torch.Tensor) -> Acceptance:
     j = torch.arange(path.numel(), device=path.device)
     following = torch.cat([tree.tokens[path[1:]], bonus])
     return Acceptance(path, length, torch.where(j < length - 1, following, bonus), bonus)
 
 
-def accept_sampled(tree: DeviceTree, probs: torch.Tensor, uniforms: torch.Tensor, max_depth: int) -> Acceptance:
+def accept_sampled(tree: DeviceTree, probs: torch.Tensor, uniforms: torch.Tensor,
+                   max_depth: int) -> Acceptance:
     """Exact rejection sampling over the tree (module docstring): ``probs`` ``[N, V]`` is every node's
     target distribution (``sampling.target_probs``), ``uniforms`` ``[N]`` float64, one per node.
 
@@ -201,7 +203,8 @@ def accept_sampled(tree: DeviceTree, probs: torch.Tensor, uniforms: torch.Tensor
     child = tree.depth > 0
     total = probs.double().sum(-1)
     mass = torch.where(child, probs[tree.parent, tree.tokens].double(), 0.0)
-    siblings = (tree.parent[:, None] == tree.parent[None, :]) & (nodes[None, :] < nodes[:, None]) & child[None, :]
+    same_parent = tree.parent[:, None] == tree.parent[None, :]
+    siblings = same_parent & (nodes[None, :] < nodes[:, None]) & child[None, :]
     before = torch.where(siblings, mass[None, :], 0.0).sum(-1)  # earlier siblings' masses (all rejected)
     accepted = child & (uniforms * (total[tree.parent] - before) < mass)
     # first[m]: node m's first accepted child in rank order (= node order), n for none.

@@ -20,9 +20,10 @@ Sampling: the sampling parameters are baked into the graph (one graph per tree s
 the vanilla chain has one per setting), and the uniforms are the generation's own, drawn up front
 from its seeded ``Sampler``: step s of the chain reads ``draws[s * N : (s + 1) * N]``, one per tree
 node (``device_tree.accept_sampled``). So a seeded run replays to the same tokens, and the host path
-that may finish the generation after ``hand_back`` continues from the Sampler after those draws. That is exactly
-what ``TreeDecoder`` keeps on the host between steps, so a chain can start from a host state and hand
-its state back (``hand_back``) when the cache is too full for another fixed-size step.
+that may finish the generation after ``hand_back`` continues from the Sampler after those draws.
+That is exactly what ``TreeDecoder`` keeps on the host between steps, so a chain can start from a
+host state and hand its state back (``hand_back``) when the cache is too full for another
+fixed-size step.
 
 Stops stay exact: a step commits between 1 and ``depth + 1`` tokens; the host hands them out in order,
 and a step in flight when the generation stops wrote only past the kept context (its tree's K/V, the
@@ -264,8 +265,8 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
     gets the value the first replay writes again; then the state is set back. ``draw(n)`` gives the
     generation's next ``n`` uniforms (float64) when sampling; it is called only once the chain is
     sure to start, for ``nodes`` uniforms a step and as many steps as tokens may still be taken
-    (``max_tokens``, at most the cache's free slots): each step commits at least one. None where the runner has no expanding heads of its own, or the cache cannot hold
-    the first steps.
+    (``max_tokens``, at most the cache's free slots): each step commits at least one. None where the
+    runner has no expanding heads of its own, or the cache cannot hold the first steps.
     """
     heads = runner.heads
     if heads is None or not expands(heads):
