@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--eager-logic", action="store_true",
                     help="also run each chain with its tree logic as eager kernels (not torch.compile)")
+    ap.add_argument("--topk-chunk", type=int, default=None,
+                    help="also run each chain with the drafting's top-k selected in slices of this width "
+                    "(top_logprobs.top_logprobs; the vocabulary's width: the shifted form alone)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -45,18 +48,22 @@ def main() -> None:
     if not isinstance(runner, CudaGraphRunner) or engine.heads is None:
         raise SystemExit("this compares CUDA-graph tree steps: no CUDA graph runner or no heads")
     greedy = args.temperature == 0.0
-    systems: dict[str, tuple[str, bool, object, bool]] = {"vanilla": ("vanilla", True, None, True),
-                                                          "host_tree": ("speculative", False, None, True)}
+    systems: dict[str, tuple[str, bool, object, bool, int | None]] = {
+        "vanilla": ("vanilla", True, None, True, None), "host_tree": ("speculative", False, None, True, None)}
     for n in (int(x) for x in args.nodes.split(",")):
         policy = dataclasses.replace(engine.policy, max_nodes=n)
-        systems[f"chain_{n}"] = ("speculative", True, policy, True)
+        systems[f"chain_{n}"] = ("speculative", True, policy, True, None)
         if args.eager_logic:
-            systems[f"chain_{n}_eager_logic"] = ("speculative", True, policy, False)
+            systems[f"chain_{n}_eager_logic"] = ("speculative", True, policy, False, None)
+        if args.topk_chunk is not None:
+            systems[f"chain_{n}_topk_chunk_{args.topk_chunk}"] = ("speculative", True, policy, True,
+                                                                  args.topk_chunk)
 
     def run(prompt: str, name: str, seed: int) -> dict:
-        mode, chains, policy, compiled = systems[name]
+        mode, chains, policy, compiled, chunk = systems[name]
         runner.tree_chains = chains
         runner.compile_tree_logic = compiled
+        runner.draft_topk_chunk = chunk
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
         g = engine.generate(prompt, params, mode=mode, policy=policy)
         return {"tokens": g.token_ids, "ms": 1000.0 * g.elapsed_s / max(1, g.new_tokens),
@@ -74,6 +81,7 @@ def main() -> None:
             name: {"ms_per_token": r["ms"], "tau": r["tau"], "identical": greedy and r["tokens"] == base}
             for name, r in res.items()})
     runner.tree_chains = runner.compile_tree_logic = True
+    runner.draft_topk_chunk = None
     summary: dict = {"prompts": len(out), "max_tokens": args.max_tokens, "temperature": args.temperature,
                      "engine": engine.describe(), "host_policy_max_nodes": engine.policy.max_nodes}
     for name in names:

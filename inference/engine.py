@@ -284,9 +284,13 @@ class Engine:
     def forward_path(self) -> str:
         """How decode steps run: "cuda-graphs", "cuda-graph-chains" (tree steps as self-feeding
         graphs, which sample from other uniforms than the host tree step: one per node), "compiled"
-        (the CPU step graph) or "eager"."""
+        (the CPU step graph) or "eager". A chain whose drafting selects its top-k in slices says so
+        (``/topk-chunk-N``): its trees may differ from the reference form's at exact ties."""
         if isinstance(self.runner, CudaGraphRunner):
-            return "cuda-graph-chains" if self.runner.tree_chains else "cuda-graphs"
+            if not self.runner.tree_chains:
+                return "cuda-graphs"
+            chunk = self.runner.draft_topk_chunk
+            return "cuda-graph-chains" if chunk is None else f"cuda-graph-chains/topk-chunk-{chunk}"
         return "compiled" if isinstance(self.runner, CompiledCpuRunner) else "eager"
 
     def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:

@@ -415,3 +415,28 @@ def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -
     assert full.finish_reason == alone.finish_reason == "length"
     assert full.token_ids == alone.token_ids, f"diverge at token {_diverge(full.token_ids, alone.token_ids)}"
     assert len(ids) + len(full.token_ids) >= small.context_length
+
+
+def test_sliced_drafting_in_the_tree_chain_equals_vanilla(bf16, mt_bench_prompts) -> None:
+    """The chain with its drafting's top-k selected in 1,024-wide slices (``draft_topk_chunk``,
+    drafters/top_logprobs.py) captures a graph of its own, gives vanilla's tokens, and drafts as well
+    as the reference form: the same candidates but for exact ties, which bf16 logits have often, so
+    its trees may differ, but its acceptance must not be lower."""
+    runner = bf16.runner
+    prompts = mt_bench_prompts[:PROMPTS]
+    params = SamplingParams(max_tokens=TOKENS)
+    vanilla = [bf16.generate(p, params, mode="vanilla").token_ids for p in prompts]
+    reference = [bf16.generate(p, params, mode="speculative") for p in prompts]
+    runner.draft_topk_chunk = 1024
+    try:
+        assert bf16.forward_path == "cuda-graph-chains/topk-chunk-1024"
+        sliced = [bf16.generate(p, params, mode="speculative") for p in prompts]
+    finally:
+        runner.draft_topk_chunk = None
+    assert any(key[3] == 1024 for key in runner._tree_chains), "no chain ran with the sliced drafting"
+    for i, (s, v) in enumerate(zip(sliced, vanilla)):
+        assert s.token_ids == v, f"prompt {i}: sliced drafting diverges at token {_diverge(s.token_ids, v)}"
+    ref_tau = sum(r.mean_accepted for r in reference) / len(reference)
+    sliced_tau = sum(s.mean_accepted for s in sliced) / len(sliced)
+    print(f"mean tau over {len(prompts)} prompts: reference drafting {ref_tau:.3f}, sliced {sliced_tau:.3f}")
+    assert sliced_tau >= 0.95 * ref_tau, f"sliced drafting accepts less: tau {sliced_tau:.3f} < {ref_tau:.3f}"

@@ -30,6 +30,7 @@ from torch import nn
 
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.medusa import MedusaHeads, ResBlock
+from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
 from elesium.inference.runtime.model import Transformer
 
 Conditioning = Literal["concat", "chain"]
@@ -113,7 +114,7 @@ class HydraHeads(nn.Module):
         return torch.stack(outs).to(hidden.dtype)
 
     def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int,
-               topk: int, first: torch.Tensor | None = None,
+               topk: int, first: torch.Tensor | None = None, topk_chunk: int | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a candidate tree level by level, keeping the ``width`` best paths at each level.
 
@@ -127,6 +128,10 @@ class HydraHeads(nn.Module):
         ``first`` (``[1, H]``, the drafter's feature for this position) replaces head 1's output as
         the source of level 0's candidates; head 1 still runs, because its output is the state that
         head 2 was trained to read.
+
+        ``topk_chunk``: each level's top-k through ``top_logprobs.top_logprobs`` (a shift of the top
+        logits, selected in slices of this width) instead of ``topk(log_softmax)``; the same
+        candidates up to exact ties at the k-th place, cheaper on CUDA.
         """
         state = hidden.reshape(1, -1).to(self.dtype)
         tok = token.reshape(1)
@@ -136,17 +141,20 @@ class HydraHeads(nn.Module):
         for k in range(self.num_heads):
             out, state = self.advance(k, state, model.embed(tok))
             scored = first if k == 0 and first is not None else out
-            logp = torch.log_softmax(model.logits(scored.to(hidden.dtype)), dim=-1)
-            top = torch.topk(logp, topk, dim=-1)
-            all_tokens.append(top.indices)
-            all_logprobs.append(top.values)
+            logits = model.logits(scored.to(hidden.dtype))
+            if topk_chunk is None:
+                top_tokens, top_values = top_logprobs_reference(logits, topk)
+            else:
+                top_tokens, top_values = top_logprobs(logits, topk, topk_chunk)
+            all_tokens.append(top_tokens)
+            all_logprobs.append(top_values)
             all_parents.append(parent)
             if k + 1 == self.num_heads:
                 break
-            total = (cum[:, None] + top.values).flatten()
+            total = (cum[:, None] + top_values).flatten()
             best = torch.topk(total, min(width, total.numel())).indices
             rows = torch.div(best, topk, rounding_mode="floor")
-            state, tok, cum, parent = state[rows], top.indices.flatten()[best], total[best], best
+            state, tok, cum, parent = state[rows], top_tokens.flatten()[best], total[best], best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
     def config(self) -> dict[str, int | str]:

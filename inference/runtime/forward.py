@@ -59,7 +59,7 @@ def draft_topk(model: Transformer, heads: FactoredHeads, hidden: torch.Tensor,
 def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, tokens: torch.Tensor,
                start: int | torch.Tensor,
                last: torch.Tensor, width: int, topk: int,
-               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None,
+               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None, topk_chunk: int | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
 
@@ -81,7 +81,7 @@ def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, to
         feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
         first = feats.index_select(0, last)
     hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
-    return heads.expand(model, hidden, token, width, topk, first)
+    return heads.expand(model, hidden, token, width, topk, first, topk_chunk)
 
 
 class ForwardRunner:
@@ -236,6 +236,9 @@ class CudaGraphRunner(ForwardRunner):
         self._tree_chains: ChainGraphs = {}
         self.tree_chains = True  # off: tree steps go through the host (A/B runs)
         self.compile_tree_logic = True  # off: the chain's tree logic runs as eager kernels (A/B runs)
+        # The chain's drafting top-k in slices of this width (``HydraHeads.expand``); None: the
+        # reference form. Not yet measured on the H200, so off (benchmarks/tree_chain.py --topk-chunk).
+        self.draft_topk_chunk: int | None = None
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
                      draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:

@@ -133,10 +133,11 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
                    step: Callable[..., StepOutputs], ints: torch.Tensor, rows: torch.Tensor,
                    temperature: torch.Tensor, record: torch.Tensor, shape: TreeShape,
                    params: SamplingParams, draws: torch.Tensor, compiled: bool = False,
-                   ) -> Callable[[], torch.Tensor]:
+                   topk_chunk: int | None = None) -> Callable[[], torch.Tensor]:
     """The captured step. ``temperature`` (the drafts') is a float64 ``[1]``; ``record`` receives
     ``[length, tree depth, committed (D + 1), path (D + 1)]``; ``draws`` holds the uniforms when
-    ``params`` sample, ``N`` per step; ``compiled``: ``tree_logic``'s."""
+    ``params`` sample, ``N`` per step; ``compiled``: ``tree_logic``'s; ``topk_chunk``: the drafting's
+    top-k form (``HydraHeads.expand``)."""
     depth = heads.num_heads
     r = depth + 1
     layout = ExpansionLayout.of(depth, shape.width, shape.topk)
@@ -151,7 +152,8 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
         lanes = torch.arange(r, device=ints.device)
         pending, offset, start = ints[0], ints[1], ints[2]
         tokens, logprobs, parents = draft_tree(model, heads, rows, ints[INTS:INTS + r], start,
-                                               ints[3:4], shape.width, shape.topk, drafter_cache)
+                                               ints[3:4], shape.width, shape.topk, drafter_cache,
+                                               topk_chunk)
         tree = choose(pending, tokens, logprobs, parents, temperature)
         node_tokens, _, node_depth, ancestors = tree
         out = step(node_tokens.view(1, -1), offset + node_depth, ancestors, offset, with_drafts=False)
@@ -246,8 +248,8 @@ class TreeChain:
         self._inflight.append(slot)
 
 
-ChainGraphs = dict[tuple[TreeShape, SamplingKey, bool], tuple[Any, tuple[Any, ...]]]
-"""Captured steps by (tree shape, sampling setting, compiled tree logic)."""
+ChainGraphs = dict[tuple[TreeShape, SamplingKey, bool, int | None], tuple[Any, tuple[Any, ...]]]
+"""Captured steps by (tree shape, sampling setting, compiled tree logic, drafting's top-k chunk)."""
 
 
 def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Capture, shape: TreeShape,
@@ -279,7 +281,8 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
     if len(row_tokens) > r or offset + 3 * r + nodes > limit:
         return None
     compiled = bool(getattr(runner, "compile_tree_logic", False))
-    key = (shape, sampling_key(params), compiled)
+    chunk = getattr(runner, "draft_topk_chunk", None)
+    key = (shape, sampling_key(params), compiled, chunk)
     captured = graphs.get(key)
     if captured is None and max_graphs is not None and len(graphs) >= max_graphs:
         return None
@@ -314,7 +317,7 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
     reset()
     if captured is None:
         body = tree_step_body(runner.model, heads, runner.cache, runner.drafter_cache, runner.step_outputs,
-                              ints, buf, temperature, record, shape, params, draws, compiled)
+                              ints, buf, temperature, record, shape, params, draws, compiled, chunk)
         graph, _ = capture(body)
         captured = graphs[key] = (graph, io + (body,))  # the body too: whatever it holds stays alive
         reset()

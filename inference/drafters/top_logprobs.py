@@ -1,0 +1,59 @@
+"""The k most likely draft tokens of each row of logits, with their log-probabilities.
+
+Why a module of its own. Drafting asks this once per tree level, over the whole 49,152-token vocabulary,
+for up to ``width`` rows at a time. Written as ``topk(log_softmax(logits))`` it costs, on the H200, a
+softmax kernel that writes the full ``[rows, V]`` back, and a multi-block radix select (four passes:
+digit counts, cumulative sums, within-k counts, gather) for every level: about 200 µs of a 1.7 ms tree
+step (BENCHMARKS §6i's profile). Two cheaper forms give the same values:
+
+* ``topk(logits) - logsumexp(logits)``: log-softmax is a per-row shift, so it does not change which
+  tokens are on top; only the k chosen values need the shift, and ``logsumexp`` is one reduction that
+  writes one float per row.
+* chunked selection: the top k of a row are among the top k of each of its chunks. Selecting within
+  ``chunk``-wide slices first (many small slices, which torch's single-block top-k handles in one
+  pass) and then among the ``V / chunk * k`` survivors avoids the multi-block path.
+
+Drafts only propose: verification is exact whatever is drafted, so these forms cannot change an
+output, only which candidates a tree holds when two logits tie exactly at the k-th place (either form
+picks one of them deterministically). ``top_logprobs_reference`` is the definition they are tested
+against (tests/test_top_logprobs.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def top_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, log-probabilities) of the ``k`` best tokens of each row, best first: the definition."""
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+    return top.indices, top.values
+
+
+def top_logprobs(logits: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_logprobs_reference`'s result, computed as a shift of the top logits; with ``chunk``,
+    selected in two stages (module docstring). Any leading shape; the last dimension is the vocabulary.
+
+    Static shapes and no host syncs, so it can be captured in a CUDA graph. ``chunk`` must be at least
+    ``k``; a vocabulary that is not a multiple of it is padded with ``-inf`` (never selected while a
+    row has ``k`` finite logits).
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    v = x.shape[-1]
+    if chunk is None or chunk >= v:
+        top = torch.topk(x, k, dim=-1)
+        return top.indices, top.values - lse
+    if chunk < k:
+        raise ValueError(f"chunk {chunk} is narrower than k = {k}")
+    pad = -v % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    lead = x.shape[:-1]
+    slices = x.reshape(*lead, -1, chunk)  # [..., V / chunk, chunk]
+    first = torch.topk(slices, k, dim=-1, sorted=False)
+    base = torch.arange(slices.shape[-2], device=x.device).unsqueeze(-1) * chunk
+    cand_values = first.values.reshape(*lead, -1)
+    cand_index = (first.indices + base).reshape(*lead, -1)
+    second = torch.topk(cand_values, k, dim=-1)
+    return cand_index.gather(-1, second.indices), second.values - lse
