@@ -487,12 +487,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=4, help="unmeasured steps after each prefill")
     p.add_argument("--max-tokens", type=int, default=128, help="warm-up length; caps each prompt's steps")
     p.add_argument("--runner", choices=["graphs", "eager", "both", "unfused", "fused-pair", "host-tree",
-                                        "chain-pair"], default="graphs",
+                                        "chain-pair", "sliced", "sliced-pair"], default="graphs",
                    help="graphs: the default runner (CUDA graphs on CUDA); eager: cuda_graphs=False; both; "
                         "unfused: graphs with the fused elementwise forward (runtime/fused.py) turned off; "
                         "fused-pair: graphs, then unfused, side by side; host-tree: graphs with greedy tree "
                         "steps through the host instead of the device tree chain (runtime/tree_chain.py); "
-                        "chain-pair: host-tree, then graphs, side by side")
+                        "chain-pair: host-tree, then graphs, side by side; sliced: graphs with the chain's "
+                        "drafting top-k in --topk-chunk slices (drafters/top_logprobs.py); sliced-pair: "
+                        "graphs, then sliced")
+    p.add_argument("--topk-chunk", type=int, default=1024, help="the slice width of --runner sliced")
     p.add_argument("--out", type=Path, default=Path("bench-out/step_profile.json"))
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the Chrome traces here (gzipped)")
     add_model_args(p)
@@ -507,6 +510,8 @@ def engines(opts: argparse.Namespace, runners: list[str]) -> Iterator[tuple[str,
             engine.model.fused_pointwise = False
         if runner == "host-tree" and hasattr(engine.runner, "tree_chains"):
             engine.runner.tree_chains = False
+        if runner == "sliced" and hasattr(engine.runner, "draft_topk_chunk"):
+            engine.runner.draft_topk_chunk = opts.topk_chunk
         tag = runner if engine.model.device.type == "cuda" or runner == "eager" else "cpu"
         yield tag, engine
         del engine
@@ -575,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     prompts = read_prompts(opts.prompts, opts.limit)
     pairs = {"both": ["graphs", "eager"], "fused-pair": ["graphs", "unfused"],
-             "chain-pair": ["host-tree", "graphs"]}
+             "chain-pair": ["host-tree", "graphs"], "sliced-pair": ["graphs", "sliced"]}
     runners = pairs.get(opts.runner, [opts.runner])
     doc: dict[str, Any] = {"results": {}}
     for tag, engine in engines(opts, runners):

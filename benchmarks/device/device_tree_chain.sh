@@ -6,7 +6,8 @@
 # transfer: device_model.sh (call 1 carried .model/z_00, .model/SHA256 and .whl; this call carries
 # .model/z_01). Writes summary.md and one JSON per step; the logs travel as logs.tar.gz.
 # Knobs: TESTS=0/1 and TESTS_K (the -k filter), SETS and NODES for benchmarks/tree_chain.py and CHAIN_TS
-# (its temperatures), PROFILE=1 for the step profile, BENCHES=0/1 and BENCH_TS (`elesium bench`'s
+# (its temperatures) and CHAIN_ARGS (more flags: --topk-chunk 1024), PROFILE=1 for the step profile and
+# PROFILE_RUNNER (step_profile.py --runner: chain-pair, sliced-pair), BENCHES=0/1 and BENCH_TS (`elesium bench`'s
 # temperatures, MT-Bench).
 set -uo pipefail
 CARRY=${CARRY:-/root/whl}
@@ -31,7 +32,7 @@ for t in ${CHAIN_TS:-0}; do
 done
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== step profile, host tree steps then the device tree chain ($(date -u +%T))" | tee -a "$S"
-  ELESIUM_CACHE_DIR=/root/cache_bench timeout ${STEP_S:-200} python3 -P benchmarks/step_profile.py --runner chain-pair \
+  ELESIUM_CACHE_DIR=/root/cache_bench timeout ${STEP_S:-200} python3 -P benchmarks/step_profile.py --runner ${PROFILE_RUNNER:-chain-pair} \
     --out "$OUT/step_profile.json" 2>"$OUT/step_profile.log" | tee -a "$S"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
 fi
