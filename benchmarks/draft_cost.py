@@ -14,7 +14,8 @@ levels: ``--width`` rows), plus:
 
 Medians over ``--repeats`` calls, alternating the variants call by call; µs.
 
-    python benchmarks/draft_cost.py [--width 8] [--topk 8] [--repeats 200] [--out draft_cost.json]
+    python benchmarks/draft_cost.py [--width 8] [--topk 8] [--levels 2 4] [--repeats 200] \\
+        [--out draft_cost.json]
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, nargs="+", default=[4096, 8192, 16384],
                    help="draft vocabulary sizes to size the lm_head product for")
     p.add_argument("--chunk", type=int, default=1024, help="top_logprobs' slice width")
+    p.add_argument("--levels", type=int, nargs="*", default=[],
+                   help="also time the whole expansion cut to these depths (HydraHeads.expand(levels))")
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, default=None)
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         "whole expand (drafter feature given)":
             lambda: heads.expand(model, one[0], tokens[:1], opts.width, opts.topk, one),
     }
+    for lv in opts.levels:
+        parts[f"whole expand, {lv} levels"] = (
+            lambda lv=lv: heads.expand(model, one[0], tokens[:1], opts.width, opts.topk, one, levels=lv))
     for v, w in subsets.items():
         parts[f"dense {v}-row lm_head, 1 row"] = lambda w=w: torch.nn.functional.linear(one, w).float()
         parts[f"dense {v}-row lm_head, {opts.width} rows"] = (

@@ -89,6 +89,32 @@ def test_expand_matches_teacher_forcing(conditioning, seed):
         assert {p for p in drafts.children if len(p) == depth} == set(best)
 
 
+@pytest.mark.parametrize("conditioning", CONDITIONINGS)
+def test_a_shallower_expansion_is_the_full_one_cut_short(conditioning):
+    """``levels``: the first levels of a full expansion, row for row, and no more rows."""
+    model = tiny_model(3)
+    heads = randomised(HydraHeads(32, num_heads=4, conditioning=conditioning), seed=13)
+    hidden, first, width, k = torch.randn(32), torch.tensor([7]), 3, 4
+    full = heads.expand(model, hidden, first, width, k)
+    rows_by_level = [1, 3, 3, 3]
+    for levels in (1, 2, 3, 4, 9):
+        part = heads.expand(model, hidden, first, width, k, levels=levels)
+        rows = sum(rows_by_level[:levels])
+        assert part[0].shape[0] == rows
+        for got, want in zip(part, full):
+            assert torch.equal(got, want[:rows])
+
+
+def test_draft_levels_follow_the_deepest_tree_the_policy_can_build():
+    from elesium.inference.decoding.tree_policy import TreePolicy
+
+    assert TreePolicy(kind="static", static_paths=((0,), (0, 0))).draft_levels(4) == 2
+    assert TreePolicy(kind="static", static_paths=((0,), (1,), (0, 0), (0, 0, 0))).draft_levels(2) == 2
+    assert TreePolicy(kind="dynamic", max_nodes=3).draft_levels(4) == 2
+    assert TreePolicy(kind="dynamic", max_nodes=64).draft_levels(4) == 4
+    assert TreePolicy(kind="dynamic", max_nodes=1).draft_levels(4) == 1
+
+
 def test_top_paths_over_expanded_drafts_equals_brute_force():
     children = {(): ([5, 6, 7], [-0.2, -1.0, -2.5]), (0,): ([1, 2], [-0.1, -3.0]),
                 (1,): ([3, 4], [-0.4, -0.5]),

@@ -114,7 +114,7 @@ class TreeDecoder:
         width = self.policy.expand_width
         assert self.rows is not None, "prefill() first"
         tokens, logprobs, parents = self.runner.expand(heads, self.rows, self.row_tokens, self.row_start,
-                                                       width, k)
+                                                       width, k, self.policy.draft_levels(heads.num_heads))
         return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(),
                                              width, temperature)
 
@@ -126,7 +126,8 @@ class TreeDecoder:
         assert self.rows is not None and expands(self.heads), "prefill() first, with Hydra heads"
         width = self.policy.expand_width
         tokens, logprobs, parents = self.runner.expand(self.heads, self.rows, self.row_tokens, self.row_start,
-                                                       width, self.policy.draft_topk())
+                                                       width, self.policy.draft_topk(),
+                                                       self.policy.draft_levels(self.heads.num_heads))
         return Expansion.from_device(tokens, logprobs, parents, width, self.policy.draft_temperature)
 
     def _chainable(self) -> bool:

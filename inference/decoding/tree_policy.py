@@ -91,6 +91,12 @@ class TreePolicy:
         """Accepted drafts expected of the last tree built (dynamic trees; 0.0 for static ones)."""
         return self._predicted if self._static is None else 0.0
 
+    def draft_levels(self, heads: int) -> int:
+        """Levels worth drafting for ``heads`` path-conditioned heads: no deeper than this policy's trees
+        can be (a static tree's depth; a dynamic tree of N nodes holds at most N - 1 levels)."""
+        deepest = self._static.depth if self._static is not None else self.max_nodes - 1
+        return max(1, min(heads, deepest))
+
     def draft_topk(self) -> int:
         from elesium.inference.runtime.forward import DRAFT_TOPK
 

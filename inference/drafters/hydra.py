@@ -115,7 +115,7 @@ class HydraHeads(nn.Module):
 
     def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int,
                topk: int, first: torch.Tensor | None = None, topk_chunk: int | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a candidate tree level by level, keeping the ``width`` best paths at each level.
 
         Static shapes and no host syncs, so a CUDA graph can capture it. ``hidden`` is ``h_t`` ``[H]``,
@@ -129,6 +129,10 @@ class HydraHeads(nn.Module):
         the source of level 0's candidates; head 1 still runs, because its output is the state that
         head 2 was trained to read.
 
+        ``levels``: draft only the first this many levels (default: one per head). A tree that cannot
+        be deeper (a static tree's depth, or a dynamic one of few nodes) needs no more, and the levels
+        it gets are the same as in a full expansion: a level depends on the levels before it only.
+
         ``topk_chunk``: each level's top-k through ``top_logprobs.top_logprobs`` (a shift of the top
         logits, selected in slices of this width) instead of ``topk(log_softmax)``; the same
         candidates up to exact ties at the k-th place, cheaper on CUDA.
@@ -138,7 +142,8 @@ class HydraHeads(nn.Module):
         cum = torch.zeros(1, device=hidden.device)
         parent = torch.full((1,), -1, dtype=torch.long, device=hidden.device)
         all_tokens, all_logprobs, all_parents = [], [], []
-        for k in range(self.num_heads):
+        depth = self.num_heads if levels is None else max(1, min(levels, self.num_heads))
+        for k in range(depth):
             out, state = self.advance(k, state, model.embed(tok))
             scored = first if k == 0 and first is not None else out
             logits = model.logits(scored.to(hidden.dtype))
@@ -149,7 +154,7 @@ class HydraHeads(nn.Module):
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
             all_parents.append(parent)
-            if k + 1 == self.num_heads:
+            if k + 1 == depth:
                 break
             total = (cum[:, None] + top_values).flatten()
             best = torch.topk(total, min(width, total.numel())).indices

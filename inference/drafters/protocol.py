@@ -65,7 +65,7 @@ class ExpandingHeads(_HeadsBase, Protocol):
 
     def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int, topk: int,
                first: torch.Tensor | None = None, topk_chunk: int | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A candidate tree as (tokens, logprobs, parents) over levels; ``HydraHeads.expand`` has the
         layout."""
         ...

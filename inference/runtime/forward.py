@@ -60,7 +60,7 @@ def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, to
                start: int | torch.Tensor,
                last: torch.Tensor, width: int, topk: int,
                drafter_cache: tuple[torch.Tensor, torch.Tensor] | None, topk_chunk: int | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
 
     ``rows`` ``[R, H]`` are the hidden states of the positions written since the drafter last ran
@@ -81,7 +81,7 @@ def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, to
         feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
         first = feats.index_select(0, last)
     hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
-    return heads.expand(model, hidden, token, width, topk, first, topk_chunk)
+    return heads.expand(model, hidden, token, width, topk, first, topk_chunk, levels)
 
 
 class ForwardRunner:
@@ -147,15 +147,16 @@ class ForwardRunner:
         return self.heads is not None and not expands(self.heads)
 
     def expand(self, heads: ExpandingHeads, rows: torch.Tensor, tokens: list[int], start: int, width: int,
-               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               topk: int, levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hydra heads' candidate tree (``draft_tree``): ``rows`` ``[R, H]`` are the positions written
         since the last call, from slot ``start``; ``tokens`` the token after each, the last being the
-        chosen ``x_{t+1}``."""
+        chosen ``x_{t+1}``; ``levels``: how deep to draft (``HydraHeads.expand``)."""
         if heads.drafter is not None and heads is not self.heads:
             raise ValueError("the drafter's cache belongs to the runner's own heads")
         dev = self.device
         return draft_tree(self.model, heads, rows, torch.tensor(tokens, device=dev), start,
-                          torch.tensor([len(tokens) - 1], device=dev), width, topk, self.drafter_cache)
+                          torch.tensor([len(tokens) - 1], device=dev), width, topk, self.drafter_cache,
+                          levels=levels)
 
     def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
         """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
@@ -222,8 +223,10 @@ class CudaGraphRunner(ForwardRunner):
         # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
         self._graphs: dict[tuple[int, bool],
                            tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], StepOutputs]] = {}
-        self._expanders: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor],
-                                                     tuple[torch.Tensor, ...]]] = {}
+        # Drafting graphs by (width, top-k, levels).
+        self._expanders: dict[tuple[int, int, int | None],
+                              tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], tuple[torch.Tensor, ...]],
+                              ] = {}
         self._pool = None
         # The self-feeding 1-token graphs (decode_chain), one per sampling setting, and the buffers they
         # read (state, the constant ancestor row, the uniforms): all kept alive, so that neither the
@@ -295,8 +298,9 @@ class CudaGraphRunner(ForwardRunner):
 
     @torch.inference_mode()
     def expand(self, heads: ExpandingHeads, rows: torch.Tensor, tokens: list[int], start: int, width: int,
-               topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Replay the drafting graph for (width, topk): the drafter and K levels become one replay.
+               topk: int, levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the drafting graph for (width, topk, levels): the drafter and the levels become one
+        replay.
 
         The graph runs ``draft_rows`` rows, the real ones first. Like the step graphs it is captured
         on the call's real inputs, because warm-up really writes the drafter's cache. Heads other
@@ -304,8 +308,8 @@ class CudaGraphRunner(ForwardRunner):
         """
         r_max, n = self.draft_rows, len(tokens)
         if heads is not self.heads or n > r_max:
-            return super().expand(heads, rows, tokens, start, width, topk)
-        key = (width, topk)
+            return super().expand(heads, rows, tokens, start, width, topk, levels)
+        key = (width, topk, levels)
         captured = self._expanders.get(key)
         io = captured[1] if captured else {
             "rows": torch.zeros(r_max, rows.shape[-1], dtype=rows.dtype, device=self.device),
@@ -322,7 +326,7 @@ class CudaGraphRunner(ForwardRunner):
 
             def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                 return draft_tree(self.model, heads, io["rows"], ints[:r_max], ints[r_max],
-                                  ints[r_max + 1:], width, topk, self.drafter_cache)
+                                  ints[r_max + 1:], width, topk, self.drafter_cache, levels=levels)
 
             graph, outs = self._record(body)
             captured = self._expanders[key] = (graph, io, outs)
