@@ -9,7 +9,7 @@ step (BENCHMARKS §6i's profile). Two cheaper forms give the same values:
 * ``topk(logits) - logsumexp(logits)``: log-softmax is a per-row shift, so it does not change which
   tokens are on top; only the k chosen values need the shift, and ``logsumexp`` is one reduction that
   writes one float per row.
-* chunked selection: the top k of a row are among the top k of each of its chunks. Selecting within
+* chunked selection: a row's top k lie among the union of its chunks' top k. Selecting within
   ``chunk``-wide slices first (many small slices, which torch's single-block top-k handles in one
   pass) and then among the ``V / chunk * k`` survivors avoids the multi-block path.
 
