@@ -493,9 +493,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fused-pair: graphs, then unfused, side by side; host-tree: graphs with greedy tree "
                         "steps through the host instead of the device tree chain (runtime/tree_chain.py); "
                         "chain-pair: host-tree, then graphs, side by side; sliced: graphs with the chain's "
-                        "drafting top-k in --topk-chunk slices (drafters/top_logprobs.py); sliced-pair: "
-                        "graphs, then sliced")
-    p.add_argument("--topk-chunk", type=int, default=1024, help="the slice width of --runner sliced")
+                        "drafting top-k in --topk-chunk slices (drafters/top_logprobs.py; on CUDA 1,024 "
+                        "is the default since BENCHMARKS §6j); sliced-pair: graphs, then sliced")
+    p.add_argument("--topk-chunk", type=int, default=1024,
+                   help="the slice width of --runner sliced; 0: the reference topk(log_softmax) form")
     p.add_argument("--out", type=Path, default=Path("bench-out/step_profile.json"))
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the Chrome traces here (gzipped)")
     add_model_args(p)
@@ -511,7 +512,7 @@ def engines(opts: argparse.Namespace, runners: list[str]) -> Iterator[tuple[str,
         if runner == "host-tree" and hasattr(engine.runner, "tree_chains"):
             engine.runner.tree_chains = False
         if runner == "sliced" and hasattr(engine.runner, "draft_topk_chunk"):
-            engine.runner.draft_topk_chunk = opts.topk_chunk
+            engine.runner.draft_topk_chunk = opts.topk_chunk or None
         tag = runner if engine.model.device.type == "cuda" or runner == "eager" else "cpu"
         yield tag, engine
         del engine

@@ -69,6 +69,7 @@ def main() -> None:
         return {"tokens": g.token_ids, "ms": 1000.0 * g.elapsed_s / max(1, g.new_tokens),
                 "tau": g.mean_accepted}
 
+    default_chunk = runner.draft_topk_chunk  # restored after the runs
     for name in systems:  # capture every graph before timing
         run(prompts[0], name, 0)
     names = list(systems)
@@ -81,7 +82,7 @@ def main() -> None:
             name: {"ms_per_token": r["ms"], "tau": r["tau"], "identical": greedy and r["tokens"] == base}
             for name, r in res.items()})
     runner.tree_chains = runner.compile_tree_logic = True
-    runner.draft_topk_chunk = None
+    runner.draft_topk_chunk = default_chunk
     summary: dict = {"prompts": len(out), "max_tokens": args.max_tokens, "temperature": args.temperature,
                      "engine": engine.describe(), "host_policy_max_nodes": engine.policy.max_nodes}
     for name in names:

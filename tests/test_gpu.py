@@ -423,16 +423,18 @@ def test_sliced_drafting_in_the_tree_chain_equals_vanilla(bf16, mt_bench_prompts
     as the reference form: the same candidates but for exact ties, which bf16 logits have often, so
     its trees may differ, but its acceptance must not be lower."""
     runner = bf16.runner
+    assert runner.draft_topk_chunk == 1024, "the Triton top-k is the CUDA default"
     prompts = mt_bench_prompts[:PROMPTS]
     params = SamplingParams(max_tokens=TOKENS)
     vanilla = [bf16.generate(p, params, mode="vanilla").token_ids for p in prompts]
-    reference = [bf16.generate(p, params, mode="speculative") for p in prompts]
-    runner.draft_topk_chunk = 1024
+    runner.draft_topk_chunk = None
     try:
-        assert bf16.forward_path == "cuda-graph-chains/topk-chunk-1024"
-        sliced = [bf16.generate(p, params, mode="speculative") for p in prompts]
+        assert bf16.forward_path == "cuda-graph-chains"
+        reference = [bf16.generate(p, params, mode="speculative") for p in prompts]
     finally:
-        runner.draft_topk_chunk = None
+        runner.draft_topk_chunk = 1024
+    assert bf16.forward_path == "cuda-graph-chains/topk-chunk-1024"
+    sliced = [bf16.generate(p, params, mode="speculative") for p in prompts]
     assert any(key[3] == 1024 for key in runner._tree_chains), "no chain ran with the sliced drafting"
     for i, (s, v) in enumerate(zip(sliced, vanilla)):
         assert s.token_ids == v, f"prompt {i}: sliced drafting diverges at token {_diverge(s.token_ids, v)}"
@@ -440,3 +442,19 @@ def test_sliced_drafting_in_the_tree_chain_equals_vanilla(bf16, mt_bench_prompts
     sliced_tau = sum(s.mean_accepted for s in sliced) / len(sliced)
     print(f"mean tau over {len(prompts)} prompts: reference drafting {ref_tau:.3f}, sliced {sliced_tau:.3f}")
     assert sliced_tau >= 0.95 * ref_tau, f"sliced drafting accepts less: tau {sliced_tau:.3f} < {ref_tau:.3f}"
+
+
+def test_topk_kernel_bf16_is_topk_of_log_softmax() -> None:
+    """The drafting's two-stage top-k kernel on real-sized bf16 rows (49,152 logits, the interpreter
+    has no bf16): tokens in the reference's order with ties to the lower index, values to fp32 rounding."""
+    from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(9, 49152, generator=g, device="cuda") * 3).bfloat16()
+    logits[4, 1000:1012] = 20.0  # a 12-way exact tie at the top
+    idx, val = top_logprobs(logits, 10, 1024)
+    _, ref_val = top_logprobs_reference(logits, 10)
+    stable = torch.sort(torch.log_softmax(logits.float(), -1), dim=-1, descending=True, stable=True).indices
+    assert torch.equal(idx, stable[:, :10])
+    assert idx[4].tolist() == list(range(1000, 1010))
+    torch.testing.assert_close(val, ref_val, rtol=0, atol=2e-5)

@@ -13,15 +13,23 @@ step (BENCHMARKS §6i's profile). Two cheaper forms give the same values:
   ``chunk``-wide slices first (many small slices, which torch's single-block top-k handles in one
   pass) and then among the ``V / chunk * k`` survivors avoids the multi-block path.
 
+On CUDA the chunked selection runs as two Triton kernels with the shift fused in
+(``kernels/topk_logprobs.py``); the torch slice form measured slower than the reference on the H200
+(BENCHMARKS §6j) and stays as the same selection on other devices.
+
 Drafts only propose: verification is exact whatever is drafted, so these forms cannot change an
 output, only which candidates a tree holds when two logits tie exactly at the k-th place (either form
 picks one of them deterministically). ``top_logprobs_reference`` is the definition they are tested
-against (tests/test_top_logprobs.py).
+against (tests/test_top_logprobs.py, tests/test_topk_kernel.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def top_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,12 +43,16 @@ def top_logprobs(logits: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     selected in two stages (module docstring). Any leading shape; the last dimension is the vocabulary.
 
     Static shapes and no host syncs, so it can be captured in a CUDA graph. ``chunk`` must be at least
-    ``k``; a vocabulary that is not a multiple of it is padded with ``-inf`` (never selected while a
-    row has ``k`` finite logits).
+    ``k`` (and a power of two on CUDA, where the Triton kernels run); a vocabulary that is not a
+    multiple of it is padded with ``-inf`` (never selected while a row has ``k`` finite logits).
     """
+    v = logits.shape[-1]
+    if chunk is not None and chunk < v and logits.is_cuda and _TRITON:
+        from elesium.kernels.topk_logprobs import topk_logprobs
+
+        return topk_logprobs(logits, k, chunk)
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    v = x.shape[-1]
     if chunk is None or chunk >= v:
         top = torch.topk(x, k, dim=-1)
         return top.indices, top.values - lse
