@@ -29,7 +29,8 @@ import importlib.util
 
 import torch
 
-_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TOPK_KERNEL = importlib.util.find_spec("triton") is not None
+"""Whether ``top_logprobs`` can run its chunked form as the Triton kernels (on CUDA tensors)."""
 
 
 def top_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +48,7 @@ def top_logprobs(logits: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     multiple of it is padded with ``-inf`` (never selected while a row has ``k`` finite logits).
     """
     v = logits.shape[-1]
-    if chunk is not None and chunk < v and logits.is_cuda and _TRITON:
+    if chunk is not None and chunk < v and logits.is_cuda and HAS_TOPK_KERNEL:
         from elesium.kernels.topk_logprobs import topk_logprobs
 
         return topk_logprobs(logits, k, chunk)

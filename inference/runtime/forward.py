@@ -8,7 +8,6 @@ path passes a Python int and attends over just the live cache slots. Both comput
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, FactoredHeads, expands
+from elesium.inference.drafters.top_logprobs import HAS_TOPK_KERNEL
 from elesium.inference.runtime.model import KVCache, Transformer
 
 if TYPE_CHECKING:
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 PREFILL_CHUNK = 512
 T = TypeVar("T")
 DRAFT_TOPK_CHUNK = 1024  # the slice width of the chains' drafting top-k on CUDA (CudaGraphRunner)
-_TRITON = importlib.util.find_spec("triton") is not None
 DRAFT_TOPK = 10  # candidates per head computed in a fused step; trees use at most this many ranks
 MAX_CHAIN_GRAPHS = 8  # sampling settings that get their own self-feeding vanilla graph per runner
 TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -245,7 +244,7 @@ class CudaGraphRunner(ForwardRunner):
         # The chain's drafting top-k in slices of this width (``HydraHeads.expand``), which on CUDA is
         # the two-stage Triton kernel (kernels/topk_logprobs.py): 0.67 against 0.74 ms/token for the
         # reference form at T = 0 on the H200 (BENCHMARKS §6j). None: the reference form (A/B runs).
-        self.draft_topk_chunk: int | None = DRAFT_TOPK_CHUNK if _TRITON else None
+        self.draft_topk_chunk: int | None = DRAFT_TOPK_CHUNK if HAS_TOPK_KERNEL else None
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
                      draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:
