@@ -74,8 +74,9 @@ def test_best_tokens_in_one_slice_and_ties_to_the_lower_index() -> None:
     assert torch.equal(idx, _stable(logits, 6))
 
 
-def test_shift_form_routes_chunks_to_the_kernel_only_on_cuda() -> None:
-    """On the CPU, ``top_logprobs`` with a chunk is the torch slice form; both agree with the kernel."""
+def test_torch_slice_form_agrees_with_the_kernel() -> None:
+    """``top_logprobs`` with a chunk on a CPU tensor (the torch slice form, which non-CUDA devices run)
+    selects what the kernel selects."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 2500, generator=g) * 3
     torch_idx, torch_val = top_logprobs(logits, 10, 256)
