@@ -18,6 +18,7 @@ from elesium.inference.constraints import GrammarState
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.hydra import Conditioning, HydraHeads
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.runtime.config import ModelConfig
@@ -59,6 +60,17 @@ def random_hydra_heads(hidden: int, num_heads: int, seed: int,
         for p in heads.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     return heads.eval().requires_grad_(False)
+
+
+def random_drafter_tree(config: ModelConfig, depth: int, seed: int) -> DrafterTree:
+    """An eagle drafter tree with random weights, perturbed so its drafts differ from level to level."""
+    torch.manual_seed(seed)
+    drafter = FeatureDrafter.for_model(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return DrafterTree(drafter, depth).eval().requires_grad_(False)
 
 
 def with_random_drafter(heads: HydraHeads, config: ModelConfig, seed: int) -> HydraHeads:

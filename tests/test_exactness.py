@@ -22,6 +22,7 @@ from spec_harness import (
     RandomHeads,
     chi_square_p,
     exact_joint,
+    random_drafter_tree,
     random_hydra_heads,
     speculative_samples,
     tiny_model,
@@ -85,6 +86,13 @@ def test_hydra_with_attention_drafter_sampling_is_exact(tiny):
     model, _ = tiny
     heads = with_random_drafter(random_hydra_heads(32, 3, seed=4, conditioning="chain"), model.config, seed=5)
     assert_samples_exact(model, heads, DYNAMIC, 1.0, seed=13, label="exact hydra chain + drafter T=1.0")
+
+
+def test_drafter_tree_sampling_is_exact(tiny):
+    """Every level from the eagle drafter tree (its own scratch rows, features fed back): still exact."""
+    model, _ = tiny
+    heads = random_drafter_tree(model.config, 3, seed=21)
+    assert_samples_exact(model, heads, DYNAMIC, 1.0, seed=23, label="exact eagle drafter tree T=1.0")
 
 
 class EagerCpuStep(CompiledCpuRunner):

@@ -458,3 +458,41 @@ def test_topk_kernel_bf16_is_topk_of_log_softmax() -> None:
     assert torch.equal(idx, stable[:, :10])
     assert idx[4].tolist() == list(range(1000, 1010))
     torch.testing.assert_close(val, ref_val, rtol=0, atol=2e-5)
+
+
+def test_drafter_tree_chain_equals_host_steps_and_vanilla(tmp_path, mt_bench_prompts) -> None:
+    """An eagle drafter tree (drafters/drafter_tree.py: the attention drafter drafts every level through
+    its cache's scratch rows) under CUDA graphs: the chained and host tree steps (both replay captured
+    drafting) give vanilla's tokens in bf16, and levels past the second get accepted. That the static
+    (whole-cache) drafting equals the eager one is tests/test_drafter_tree.py's, on the CPU."""
+    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
+
+    manifest = read_manifest(None)
+    shipped = load_heads(None, base_sha256=manifest["base_model"]["sha256"])
+    tree = shipped if isinstance(shipped, DrafterTree) else DrafterTree(shipped.drafter, 5)
+    save_heads(tree, tmp_path / "eagle", {"base_model": manifest["base_model"]}, storage="float")
+    from elesium.config import Settings
+    from elesium.inference.engine import Engine
+
+    settings = Settings.from_env().with_overrides(invariant_numerics="on")
+    engine = Engine.load(device="cuda", dtype="bfloat16", settings=settings, heads=tmp_path / "eagle")
+    assert isinstance(engine.heads, DrafterTree)
+    runner = engine.runner
+    prompts = mt_bench_prompts[:PROMPTS]
+    params = SamplingParams(max_tokens=TOKENS)
+    vanilla = [engine.generate(p, params, mode="vanilla").token_ids for p in prompts]
+    chained = [engine.generate(p, params, mode="speculative") for p in prompts]
+    assert runner._tree_chains, "speculative decoding did not take the device tree step"
+    runner.tree_chains = False
+    try:
+        host = [engine.generate(p, params, mode="speculative") for p in prompts]
+    finally:
+        runner.tree_chains = True
+    for i, (c, h, v) in enumerate(zip(chained, host, vanilla)):
+        assert c.token_ids == v, f"prompt {i}: chained steps diverge at token {_diverge(c.token_ids, v)}"
+        assert h.token_ids == v, f"prompt {i}: host steps diverge at token {_diverge(h.token_ids, v)}"
+    deep = sum(s.accepted_length > 3 for g in host for s in g.steps)
+    print(f"drafter tree: tau chained {[round(c.mean_accepted, 2) for c in chained]}, "
+          f"host {[round(h.mean_accepted, 2) for h in host]}; host steps accepting > 2 drafts: {deep}")
+    assert deep > 0, "no step accepted past level 2: the deeper levels would be untested"

@@ -50,8 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="sequences per batched forward")
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
-    p.add_argument("--kind", choices=["medusa", "hydra"], default=d.kind,
-                   help="hydra: heads that also read the embeddings of the tokens drafted before them")
+    p.add_argument("--kind", choices=["medusa", "hydra", "eagle"], default=d.kind,
+                   help="hydra: heads that also read the embeddings of the tokens drafted before them; "
+                   "eagle: no heads, the attention drafter drafts all --num-heads levels from its own "
+                   "features (trained unrolled over them; --drafter-* flags apply)")
     p.add_argument("--conditioning", choices=["concat", "chain"], default=d.conditioning,
                    help="hydra only: concat (Hydra's: every earlier embedding) or chain "
                    "(the previous head's output)")
@@ -85,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-lr", type=float, default=d.drafter_lr)
     p.add_argument("--drafter-intermediate", type=int, default=d.drafter_intermediate,
                    help="the drafter layer's MLP width (default: the base model's)")
+    p.add_argument("--init-drafter", type=Path, default=d.init_drafter,
+                   help="--kind eagle: start from the attention drafter of this heads directory "
+                   "(e.g. the shipped heads) instead of from scratch")
     add_model_args(p)
     add_state_args(p)
     p.set_defaults(handler=run)
@@ -100,9 +105,15 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.drafter_intermediate is not None and args.drafter_intermediate < 1:
         raise CliError(f"--drafter-intermediate must be >= 1, got {args.drafter_intermediate}")
-    if args.drafter != "none" and args.kind != "hydra":
+    if args.drafter != "none" and args.kind == "medusa":
         raise CliError("--drafter attention drafts level 1 for hydra heads; "
                        "add --drafter none for --kind medusa")
+    if args.kind == "eagle" and args.drafter == "none":
+        raise CliError("--kind eagle is the attention drafter itself; it cannot go with --drafter none")
+    if args.init_drafter is not None and args.kind != "eagle":
+        raise CliError("--init-drafter goes with --kind eagle")
+    if args.init_drafter is not None and not args.init_drafter.exists():
+        raise FileNotFoundError(f"--init-drafter directory not found: {args.init_drafter}")
     if not args.from_log:
         only = (("--workflow", args.workflow is not None), ("--exclude-prompts", args.exclude_prompts))
         for flag, given in only:
@@ -132,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, storage=args.storage,
         distill_only=args.distill_only, drafter=args.drafter, drafter_steps=args.drafter_steps,
         drafter_batch=args.drafter_batch, drafter_lr=args.drafter_lr,
-        drafter_intermediate=args.drafter_intermediate,
+        drafter_intermediate=args.drafter_intermediate, init_drafter=args.init_drafter,
         command="elesium train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"] else []))
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -99,3 +99,56 @@ class FeatureDrafter(nn.Module):
         pos = torch.arange(hidden.shape[1], device=hidden.device)
         cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]
         return self.layer.causal(self.inputs(model, hidden, next_tokens), cos, sin).to(hidden.dtype)
+
+    def unrolled(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor,
+                 depth: int) -> list[torch.Tensor]:
+        """Features ``[B, N, H]`` for draft depths 1..``depth``, each row reading what it would read at
+        draft time: EAGLE-3's training-time test, for training and scoring a drafter of every depth.
+
+        Row ``r`` of depth ``d`` drafts ``x_{r+2}`` from the context accepted up to ``t = r - d + 1``:
+        its input is ``fc([f^{d-1}_{r-1}; e(x_{r+1})])`` (its parent's feature, not the base model's
+        hidden state) and it attends to depth-1 entries ``0..t`` plus its own chain of ancestors, the
+        depth-``m`` entry at ``t + m - 1`` for ``m = 2..d``. That is exactly what ``DrafterTree.expand``
+        computes through the cache when the drafted path is the true one, so the loss at every depth
+        is the loss of the drafter as it runs. Rows ``r < d - 1`` have no such context; callers mask
+        them. ``sequence`` is depth 1 of this.
+        """
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        n = hidden.shape[1]
+        dev = hidden.device
+        pos = torch.arange(n, device=dev)
+        cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]
+        attn, c = self.layer.attn, self.layer_config
+        group = c.num_heads // c.num_kv_heads
+        feats: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        state = hidden
+        for d in range(1, depth + 1):
+            if d > 1:  # row r reads its parent's feature, row r - 1 of the depth before
+                state = torch.cat([torch.zeros_like(feats[-1][:, :1]), feats[-1][:, :-1]], dim=1)
+            x = self.inputs(model, state, next_tokens)
+            q, k, v = attn.project(self.layer.attn_norm(x), cos, sin)
+            keys.append(k.repeat_interleave(group, dim=1))
+            values.append(v.repeat_interleave(group, dim=1))
+            if d == 1:
+                out = torch.nn.functional.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=unrolled_mask(n, d, dev))
+            x = x + attn.merge(out)
+            feats.append((x + self.layer.mlp(x)).to(hidden.dtype))
+        return feats
+
+
+def unrolled_mask(n: int, depth: int, device: torch.device) -> torch.Tensor:
+    """``[n, depth * n]``: which entries row ``r`` of ``depth`` sees among depths 1..depth's entries.
+
+    Depth-1 entries ``j <= r - depth + 1`` (the accepted context) and, in block ``m`` (depth ``m + 1``),
+    the single entry ``r - depth + 1 + m``: the row's ancestors and, in the last block, itself.
+    """
+    r = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    blocks = [j <= r - depth + 1] + [j == r - depth + 1 + m for m in range(1, depth)]
+    return torch.cat(blocks, dim=1)

@@ -1,7 +1,9 @@
 """Draft heads on disk: a manifest plus safetensors, matched to a base model by sha256.
 
 A heads directory holds ``manifest.json`` (format, base model, head config, storage), ``heads.safetensors``
-and, for Hydra heads with the attention drafter, ``drafter.safetensors``. The manifest's ``format`` is
+and, for Hydra heads with the attention drafter, ``drafter.safetensors``. An ``eagle`` drafter tree
+(``drafter_tree.py``) is the drafter alone: manifest and ``drafter.safetensors``, no heads file.
+The manifest's ``format`` is
 ``elesium-draft-heads/1``; directories written before the rename say ``elesium-medusa-heads/1`` and still
 load.
 """
@@ -55,7 +57,10 @@ def save_heads(heads: HeadsModule, directory: str | Path, manifest: dict[str, An
     directory.mkdir(parents=True, exist_ok=True)
     drafter = heads.drafter
     own = {k: v for k, v in heads.state_dict().items() if not k.startswith("drafter.")}
-    write_state(directory / WEIGHTS_FILE, own, storage, heads.dtype, {"format": MANIFEST_FORMAT})
+    if own:
+        write_state(directory / WEIGHTS_FILE, own, storage, heads.dtype, {"format": MANIFEST_FORMAT})
+    elif (directory / WEIGHTS_FILE).exists():
+        (directory / WEIGHTS_FILE).unlink()  # heads from an earlier run here; a drafter tree has none
     block: dict[str, Any] = {**manifest.get("heads", {}), **heads.config(),
                              "dtype": str(heads.dtype).removeprefix("torch."), "storage": storage}
     block.pop("drafter", None)
@@ -101,16 +106,21 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
         raise HeadsMismatchError(
             f"draft heads in {directory} were trained for base model sha256 {trained_for}, but the loaded "
             f"model is sha256 {base_sha256}; train heads for this model with `elesium train-heads`")
+    kind = manifest["heads"].get("kind")
     weights = directory / WEIGHTS_FILE
-    if not weights.exists():
+    if kind != "eagle" and not weights.exists():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     drafter_cfg = manifest["heads"].get("drafter")
-    if drafter_cfg is not None and manifest["heads"].get("kind") != "hydra":
+    if drafter_cfg is not None and kind not in ("hydra", "eagle"):
         raise ValueError(f"{directory}: the manifest names a drafter, which is only supported with "
-                         "hydra heads")
+                         "hydra heads and eagle drafter trees")
+    if kind == "eagle" and drafter_cfg is None:
+        raise ValueError(f"{directory}: an eagle drafter tree needs the manifest's heads.drafter block")
     heads = build_heads(manifest["heads"])
-    heads.load_state_dict(read_state(weights))
-    digest = hashlib.sha256(weights.read_bytes())
+    digest = hashlib.sha256()
+    if kind != "eagle":
+        heads.load_state_dict(read_state(weights))
+        digest.update(weights.read_bytes())
     if drafter_cfg is not None:
         from elesium.inference.drafters.attention_drafter import FeatureDrafter
 
@@ -129,6 +139,8 @@ def load_heads(path: str | Path | None, *, base_sha256: str, device: torch.devic
 
 def build_heads(cfg: dict[str, Any]) -> HeadsModule:
     """Untrained heads of the shape a manifest's ``heads`` block (or the heads' ``config()``) names."""
+    from elesium.inference.drafters.attention_drafter import FeatureDrafter
+    from elesium.inference.drafters.drafter_tree import DrafterTree
     from elesium.inference.drafters.hydra import HydraHeads
 
     kind = cfg.get("kind", "medusa")
@@ -137,7 +149,10 @@ def build_heads(cfg: dict[str, Any]) -> HeadsModule:
         return MedusaHeads(size, num, layers)
     if kind == "hydra":
         return HydraHeads(size, num, layers, cfg.get("conditioning", "concat"))
-    raise ValueError(f"unknown heads kind {kind!r} in the manifest; this version knows medusa and hydra")
+    if kind == "eagle":  # the drafter is the whole module; its block names its shape
+        return DrafterTree(FeatureDrafter.from_config(cfg["drafter"]), num)
+    raise ValueError(f"unknown heads kind {kind!r} in the manifest; this version knows medusa, hydra and "
+                     "eagle")
 
 
 def _heads_dir(path: str | Path | None) -> Path:

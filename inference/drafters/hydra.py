@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.medusa import MedusaHeads, ResBlock
 from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
 from elesium.inference.runtime.model import Transformer
@@ -167,6 +168,6 @@ class HydraHeads(nn.Module):
                 "hidden_size": self.hidden_size, "conditioning": self.conditioning}
 
 
-HeadsModule = MedusaHeads | HydraHeads
+HeadsModule = MedusaHeads | HydraHeads | DrafterTree
 """Either concrete kind, as built, trained and saved (``drafters.protocol.DraftHeads`` is what decoding
 sees)."""

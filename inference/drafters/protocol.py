@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 from typing_extensions import TypeIs
 
+from elesium.inference.drafters.drafter_tree import DrafterTree
+
 if TYPE_CHECKING:
     from elesium.inference.drafters.attention_drafter import FeatureDrafter
     from elesium.inference.runtime.model import Transformer
@@ -71,7 +73,9 @@ class ExpandingHeads(_HeadsBase, Protocol):
         ...
 
 
-DraftHeads = FactoredHeads | ExpandingHeads
+DraftHeads = FactoredHeads | ExpandingHeads | DrafterTree
+"""``DrafterTree`` (``drafter_tree.py``) drafts path by path too (``expands`` is true for it) but expands
+through the drafter's cache; ``forward.draft_tree`` tells it apart."""
 
 
 def expands(heads: DraftHeads) -> TypeIs[ExpandingHeads]:

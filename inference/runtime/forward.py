@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, FactoredHeads, expands
 from elesium.inference.drafters.top_logprobs import HAS_TOPK_KERNEL
 from elesium.inference.runtime.model import KVCache, Transformer
@@ -83,6 +84,11 @@ def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, to
         feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
         first = feats.index_select(0, last)
     hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
+    if isinstance(heads, DrafterTree):  # the drafter drafts every level, through its own cache
+        assert first is not None and drafter_cache is not None
+        live = start + rows.shape[0] if isinstance(start, int) else None
+        return heads.expand(model, first, token, width, topk, drafter_cache, start + last, live,
+                            topk_chunk, levels)
     return heads.expand(model, hidden, token, width, topk, first, topk_chunk, levels)
 
 
@@ -109,8 +115,10 @@ class ForwardRunner:
         self.heads = heads
         drafter = None if heads is None else heads.drafter
         # Slack past the context for the graph runner's padding rows.
+        # The drafter tree's scratch region goes last, past every slot a real or padding row writes.
+        scratch = heads.scratch_slots if isinstance(heads, DrafterTree) else 0
         self.drafter_cache = None if drafter is None else drafter.new_cache(
-            self.cache.max_len + self.draft_rows, self.device, drafter.dtype)
+            self.cache.max_len + self.draft_rows + scratch, self.device, drafter.dtype)
 
     def prefill_drafter(self, heads: DraftHeads, hidden: torch.Tensor, next_tokens: list[int],
                         start: int = 0) -> None:

@@ -42,6 +42,8 @@ class DrafterConfig:
     eval_sequences: int = 256       # held-out sequences scored at each evaluation
     seed: int = 0
     resume: bool = False
+    depth: int = 1                  # draft depths trained at once (> 1: the eagle drafter tree, unrolled)
+    decay: float = 0.8              # depth d's loss weight is decay ** (d - 1)
 
 
 def cosine_lr(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float) -> float:
@@ -63,25 +65,58 @@ def padded(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.T
     return tokens.to(device), valid.to(device)
 
 
+def base_hidden(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """The frozen base model's hidden states ``[B, W, H]`` over whole sequences."""
+    w = tokens.shape[1]
+    with torch.no_grad():
+        return model(tokens, torch.arange(w, device=tokens.device), model.new_cache(w, tokens.shape[0]), 0)
+
+
 def drafter_logits(drafter: FeatureDrafter, model: Transformer,
                    tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(student logits ``[B, W-2, V]`` for x_{t+2} at rows t, base hidden states ``[B, W, H]``)."""
-    w = tokens.shape[1]
-    with torch.no_grad():
-        hidden = model(tokens, torch.arange(w, device=tokens.device), model.new_cache(w, tokens.shape[0]), 0)
+    hidden = base_hidden(model, tokens)
     feats = drafter.sequence(model, hidden[:, :-1], tokens[:, 1:])  # row t reads (h_t, x_{t+1})
     return model.logits(feats[:, :-1]), hidden
 
 
+def depth_features(drafter: FeatureDrafter, model: Transformer, tokens: torch.Tensor,
+                   depth: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Student features ``[B, W-1, H]`` at rows t (drafting x_{t+2}), for each depth 1..``depth`` (row t
+    of depth d drafted from the context up to t - d + 1: ``FeatureDrafter.unrolled``), and the base
+    hidden states ``[B, W, H]``."""
+    hidden = base_hidden(model, tokens)
+    if depth == 1:
+        return [drafter.sequence(model, hidden[:, :-1], tokens[:, 1:])], hidden
+    return drafter.unrolled(model, hidden[:, :-1], tokens[:, 1:], depth), hidden
+
+
+def depth_logits(drafter: FeatureDrafter, model: Transformer, tokens: torch.Tensor,
+                 depth: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``depth_features`` through the lm_head: logits ``[B, W-2, V]`` per depth, and the hidden states."""
+    feats, hidden = depth_features(drafter, model, tokens, depth)
+    return [model.logits(f[:, :-1]) for f in feats], hidden
+
+
 def drafter_loss(drafter: FeatureDrafter, model: Transformer, tokens: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
-    """Mean KL(base || drafter) over every row t whose x_{t+2} is a real token."""
-    student, hidden = drafter_logits(drafter, model, tokens)
+                 valid: torch.Tensor, depth: int = 1, decay: float = 0.8) -> torch.Tensor:
+    """Mean KL(base || drafter) over every row t whose x_{t+2} is a real token; with ``depth`` > 1,
+    the sum over depths weighted ``decay ** (d - 1)``, each over the rows that have its context.
+
+    Only real rows reach the 49k-wide lm_head (padding would cost memory at every depth)."""
+    feats, hidden = depth_features(drafter, model, tokens, depth)
+    rows = valid[:, 2:]
     with torch.no_grad():
-        teacher = torch.log_softmax(model.logits(hidden[:, 1:-1]), dim=-1)
-    mask = valid[:, 2:]
-    kl = (teacher.exp() * (teacher - torch.log_softmax(student, dim=-1))).sum(-1)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+        teacher = torch.log_softmax(model.logits(hidden[:, 1:-1][rows]), dim=-1)  # [M, V]
+        probs = teacher.exp()
+    position = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)[rows]  # each real row's t
+    total = torch.zeros((), device=tokens.device)
+    for d, f in enumerate(feats, start=1):
+        student = torch.log_softmax(model.logits(f[:, :-1][rows]), dim=-1)
+        kl = (probs * (teacher - student)).sum(-1)
+        counted = (position >= d - 1).to(kl.dtype)
+        total = total + decay ** (d - 1) * (kl * counted).sum() / counted.sum().clamp(min=1)
+    return total
 
 
 @torch.no_grad()
@@ -93,23 +128,39 @@ def score_drafter(drafter: FeatureDrafter, model: Transformer,
     Rows t = P-1 .. L-3 of each (prompt P, answer) pair: x_{t+1} is an answer token and x_{t+2}
     exists. That is exactly the set ``head_training.evaluate`` scores head 1 on.
     """
+    return score_depths(drafter, model, pairs, 1, batch_size)[0]
+
+
+@torch.no_grad()
+def score_depths(drafter: FeatureDrafter, model: Transformer,
+                 pairs: Sequence[tuple[Sequence[int], Sequence[int]]], depth: int,
+                 batch_size: int = 32) -> list[dict[str, float]]:
+    """``score_drafter`` for each depth 1..``depth``: depth d's row t drafts x_{t+2} from the context
+    up to t - d + 1 along the true path (what the tree offers when levels 1..d-1 were drafted right).
+
+    Every depth is scored on the same rows, answer rows whose drafting context (t - d + 1) still lies
+    in the sequence, so the depths' scores are comparable: level d given levels before it right.
+    """
     dev = model.device
     order = sorted((i for i, (_, a) in enumerate(pairs) if len(a) >= 2),
                    key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
-    hits1 = hits5 = count = 0
+    hits1, hits5 = [0] * depth, [0] * depth
+    count = 0
     for lo in range(0, len(order), batch_size):
         idx = order[lo:lo + batch_size]
         tokens, _ = padded([list(pairs[i][0]) + list(pairs[i][1]) for i in idx], dev)
-        logits, _ = drafter_logits(drafter, model, tokens)
+        logits, _ = depth_logits(drafter, model, tokens, depth)
         for b, i in enumerate(idx):
             p, n = len(pairs[i][0]), len(pairs[i][0]) + len(pairs[i][1])
-            rows = torch.arange(p - 1, n - 2, device=dev)
-            top = logits[b, rows].topk(5, dim=-1).indices
+            rows = torch.arange(max(p - 1, depth - 1), n - 2, device=dev)
             target = tokens[b, rows + 2]
-            hits1 += int((top[:, 0] == target).sum())
-            hits5 += int((top == target[:, None]).any(-1).sum())
+            for d in range(depth):
+                top = logits[d][b, rows].topk(5, dim=-1).indices
+                hits1[d] += int((top[:, 0] == target).sum())
+                hits5[d] += int((top == target[:, None]).any(-1).sum())
             count += rows.numel()
-    return {"top1": hits1 / max(count, 1), "top5": hits5 / max(count, 1), "positions": count}
+    return [{"depth": d + 1, "top1": hits1[d] / max(count, 1), "top5": hits5[d] / max(count, 1),
+             "positions": count} for d in range(depth)]
 
 
 def train_drafter(drafter: FeatureDrafter, model: Transformer, train_seqs: Sequence[Sequence[int]],
@@ -153,7 +204,7 @@ def train_drafter(drafter: FeatureDrafter, model: Transformer, train_seqs: Seque
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast:
-            loss = drafter_loss(drafter, model, tokens, valid)
+            loss = drafter_loss(drafter, model, tokens, valid, cfg.depth, cfg.decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -163,10 +214,12 @@ def train_drafter(drafter: FeatureDrafter, model: Transformer, train_seqs: Seque
         if held and (step % cfg.eval_every == 0 or step == cfg.steps):
             drafter.eval()
             with autocast:
-                score = score_drafter(drafter, model, held)
+                scores = score_depths(drafter, model, held, cfg.depth)
             drafter.train()
+            score = scores[0] if cfg.depth == 1 else scores
             history.append({"step": step, "train_loss": float(loss.detach()), "held_out": score})
-            log(f"drafter step {step}: held-out head 1 {score['top1']:.3f}/{score['top5']:.3f}")
+            log(f"drafter step {step}: held-out by depth " + "  ".join(
+                f"{s['top1']:.3f}/{s['top5']:.3f}" for s in scores))
         if step % cfg.ckpt_every == 0:
             save_ckpt()
     bar.close()
@@ -174,4 +227,6 @@ def train_drafter(drafter: FeatureDrafter, model: Transformer, train_seqs: Seque
     drafter.eval()
     return {"steps": step, "batch_sequences": cfg.batch, "lr": cfg.lr, "warmup": cfg.warmup,
             "schedule": "linear warmup + cosine", "optimizer": "AdamW(0.9, 0.95)", "loss": "kl",
+            **({"depth": cfg.depth, "decay": cfg.decay, "unrolled": "training-time test (EAGLE-3)"}
+               if cfg.depth > 1 else {}),
             "elapsed_s": round(time.monotonic() - t0, 1), "history": history}

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.files import build_heads, read_manifest, save_heads
 from elesium.inference.drafters.hydra import HeadsModule, HydraHeads
 from elesium.inference.drafters.storage import round_trip
@@ -33,7 +34,13 @@ from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.model import Transformer
 from elesium.inference.training.checkpoints import load_checkpoint, save_checkpoint
 from elesium.inference.training.distill import build_prompts, distill, generate_all
-from elesium.inference.training.drafter_training import DrafterConfig, cosine_lr, score_drafter, train_drafter
+from elesium.inference.training.drafter_training import (
+    DrafterConfig,
+    cosine_lr,
+    score_depths,
+    score_drafter,
+    train_drafter,
+)
 from elesium.inference.training.train_config import TrainConfig
 
 Log = Callable[[str], None]
@@ -149,11 +156,19 @@ def evaluate(heads: HeadsModule, model: Transformer, cache: HiddenCache, rows: t
 
 def score_prompts(model: Transformer, tokenizer: Any, heads: HeadsModule, prompts: Sequence[str],
                   max_tokens: int = 256, batch_size: int = 16) -> dict[str, Any]:
-    """Each head's top-1/top-5 against the base model's own greedy continuation of ``prompts``."""
+    """Each head's top-1/top-5 against the base model's own greedy continuation of ``prompts`` (for an
+    eagle drafter tree, each depth's, along the true path: ``score_depths``)."""
     ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     answers = generate_all(model, ids, max_tokens, eos_ids=tokenizer.eos_ids, batch_size=batch_size)
-    cache = cache_hidden_states(model, list(zip(ids, answers)), batch_size=batch_size)
-    per_head = evaluate(heads, model, cache, loss="ce")
+    if isinstance(heads, DrafterTree):  # every level is the drafter's, scored along the true path
+        depths = score_depths(heads.feature_drafter, model, list(zip(ids, answers)), heads.num_heads,
+                              batch_size=batch_size)
+        rows = [{"head": d["depth"], "top1": round(d["top1"], 4), "top5": round(d["top5"], 4),
+                 "positions": d["positions"], "source": "drafter"} for d in depths]
+        return {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
+    ids_answers = list(zip(ids, answers))
+    answers_cache = cache_hidden_states(model, ids_answers, batch_size=batch_size)
+    per_head = evaluate(heads, model, answers_cache, loss="ce")
     rows = [{"head": h["head"], "top1": round(h["top1"], 4), "top5": round(h["top5"], 4),
              "positions": h["positions"]} for h in per_head]
     result: dict[str, Any] = {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
@@ -190,9 +205,11 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
         raise ValueError("--distill-only writes OUT/distill.jsonl.gz; with --data there is nothing to distil")
     if cfg.drafter not in ("none", "attention"):
         raise ValueError(f"unknown drafter {cfg.drafter!r}; use attention or none")
-    if cfg.drafter != "none" and cfg.kind != "hydra":
+    if cfg.drafter != "none" and cfg.kind not in ("hydra", "eagle"):
         raise ValueError("the attention drafter drafts level 1 for hydra heads; use --kind hydra or "
                          "--drafter none")
+    if cfg.kind == "eagle" and cfg.drafter == "none":
+        raise ValueError("an eagle drafter tree is the attention drafter; it cannot go with --drafter none")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -226,6 +243,13 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
     val_ids = set(ids[:max(1, int(len(ids) * cfg.val_fraction))])
     split = {"train": [r for r in records if r["id"] not in val_ids],
              "val": [r for r in records if r["id"] in val_ids]}
+    data_block = {"file": data_path.name, "prompts": len(ids), "sequences": len(records),
+                  "temperatures": sorted({r["sampling"]["temperature"] for r in records}),
+                  "max_new_tokens": max(r["sampling"]["max_new_tokens"] for r in records),
+                  "tasks": _task_counts(records), "prompt_source": cfg.prompt_source,
+                  "created": records[0].get("created") if records else None}
+    if cfg.kind == "eagle":
+        return _train_drafter_tree(cfg, engine, split, data_block, t0, log)
     caches = {name: cache_hidden_states(model, [(r["prompt_ids"], r["response_ids"]) for r in rs],
                                         batch_size=cfg.gen_batch)
               for name, rs in split.items()}
@@ -315,6 +339,26 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
                                           "before_storage": unquantised}
         log("held-out head 1 (drafter): " + "  ".join(
             f"{k} {v['top1']:.3f}/{v['top5']:.3f}" for k, v in eval_block["held_out_drafter"].items()))
+    data_block.update(train_positions=len(train_cache), held_out_positions=len(val_cache))
+    training = {
+        "loss": cfg.loss, "decay": cfg.decay, "steps": step, "batch_size": cfg.batch_size, "lr": cfg.lr,
+        "warmup": cfg.warmup, "schedule": "linear warmup + cosine", "optimizer": "AdamW(0.9, 0.95)",
+        "weight_decay": cfg.weight_decay, "seed": cfg.seed, "elapsed_s": round(train_s, 1),
+        "data": data_block, **({"drafter": drafter_block} if drafter is not None else {})}
+    return _write(cfg, engine, heads, training, eval_block, history, t0, log)
+
+
+def _task_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    tasks: dict[str, int] = {}
+    for r in records:
+        tasks[r.get("task", "?")] = tasks.get(r.get("task", "?"), 0) + 1
+    return dict(sorted(tasks.items()))
+
+
+def _write(cfg: TrainConfig, engine: Any, heads: HeadsModule, training: dict[str, Any],
+           eval_block: dict[str, Any], history: list[Any], t0: float, log: Log) -> dict[str, Any]:
+    """Score on ``cfg.eval_prompts`` (as stored), write heads + manifest, return the manifest."""
+    model, tokenizer = engine.model, engine.tokenizer
     if cfg.eval_prompts is not None:
         result = score_prompts(model, tokenizer, heads, read_prompts(cfg.eval_prompts), cfg.eval_max_tokens,
                                batch_size=max(1, min(cfg.gen_batch, 80)))
@@ -322,30 +366,65 @@ def train(cfg: TrainConfig, engine: Any, log: Log = print) -> dict[str, Any]:
                                  **result}
         log(f"{Path(cfg.eval_prompts).name}: " + "  ".join(
             f"h{h['head']} {h['top1']:.3f}/{h['top5']:.3f}" for h in result["heads"]))
-    tasks: dict[str, int] = {}
-    for r in records:
-        tasks[r.get("task", "?")] = tasks.get(r.get("task", "?"), 0) + 1
     manifest = {
-        "base_model": {"sha256": sha, "file": Path(str(engine.weights_info.source)).name,
+        "base_model": {"sha256": engine.weights_info.sha256,
+                       "file": Path(str(engine.weights_info.source)).name,
                        "dtype_during_training": str(model.dtype).removeprefix("torch.")},
         "heads": {"vocab_size": model.config.vocab_size,
                   "hidden_state": "final-norm output of Transformer.forward",
                   "output_layer": "base model lm_head (shared, frozen)"},
-        "training": {
-            "loss": cfg.loss, "decay": cfg.decay, "steps": step, "batch_size": cfg.batch_size, "lr": cfg.lr,
-            "warmup": cfg.warmup, "schedule": "linear warmup + cosine", "optimizer": "AdamW(0.9, 0.95)",
-            "weight_decay": cfg.weight_decay, "seed": cfg.seed, "elapsed_s": round(train_s, 1),
-            "data": {"file": data_path.name, "prompts": len(ids), "sequences": len(records),
-                     "train_positions": len(train_cache), "held_out_positions": len(val_cache),
-                     "temperatures": sorted({r["sampling"]["temperature"] for r in records}),
-                     "max_new_tokens": max(r["sampling"]["max_new_tokens"] for r in records),
-                     "tasks": dict(sorted(tasks.items())),
-                     "prompt_source": cfg.prompt_source,
-                     "created": records[0].get("created") if records else None},
-            **({"drafter": drafter_block} if drafter is not None else {}),
-        },
+        "training": training,
         "eval": eval_block, "history": history, "command": cfg.command, "hardware": hardware(), **cfg.extra,
     }
     save_heads(heads, cfg.out, manifest, storage=cfg.storage)
-    log(f"wrote {cfg.out / 'heads.safetensors'} and manifest.json ({time.monotonic() - t0:.0f}s total)")
+    log(f"wrote {cfg.out} (manifest.json and weights, {time.monotonic() - t0:.0f}s total)")
     return read_manifest(cfg.out)
+
+
+def _train_drafter_tree(cfg: TrainConfig, engine: Any, split: dict[str, list[dict[str, Any]]],
+                        data_block: dict[str, Any], t0: float, log: Log) -> dict[str, Any]:
+    """``--kind eagle``: the attention drafter alone, unrolled over ``cfg.num_heads`` depths
+    (``FeatureDrafter.unrolled``); no per-position hidden-state cache, no MLP heads.
+
+    ``cfg.init_drafter`` starts from the drafter of another heads directory (e.g. the shipped Hydra
+    heads' level-1 drafter), which already knows depth 1.
+    """
+    model, dev = engine.model, engine.model.device
+    torch.manual_seed(cfg.seed)
+    if cfg.init_drafter is not None:
+        from elesium.inference.drafters.files import load_heads
+
+        source = load_heads(cfg.init_drafter, base_sha256=engine.weights_info.sha256, device=dev)
+        if source.drafter is None:
+            raise ValueError(f"{cfg.init_drafter} holds no attention drafter to start from")
+        drafter = source.drafter.float().requires_grad_(True)
+        log(f"drafter: starting from {cfg.init_drafter}'s drafter")
+    else:
+        drafter = FeatureDrafter.for_model(model.config, cfg.drafter_intermediate).to(dev)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    dcfg = DrafterConfig(steps=cfg.drafter_steps, batch=cfg.drafter_batch, lr=cfg.drafter_lr,
+                         warmup=min(cfg.warmup, cfg.drafter_steps), eval_every=cfg.eval_every,
+                         ckpt_every=cfg.ckpt_every, seed=cfg.seed, resume=cfg.resume,
+                         depth=cfg.num_heads, decay=cfg.decay)
+    val_pairs = [(r["prompt_ids"], r["response_ids"]) for r in split["val"]]
+    seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in split["train"]]
+    block = train_drafter(drafter, model, seqs, val_pairs, dcfg, cfg.out, autocast,
+                          deadline=None if cfg.time_budget_s is None else t0 + cfg.time_budget_s, log=log)
+    train_s = time.monotonic() - t0
+    with autocast:
+        before = score_depths(drafter, model, val_pairs, cfg.num_heads)
+    save_dtype = DTYPES[cfg.save_dtype]
+    drafter = drafter.to(save_dtype).eval().requires_grad_(False)
+    if cfg.storage != "float":
+        drafter.load_state_dict(round_trip(drafter.state_dict(), cfg.storage, save_dtype))
+    heads = DrafterTree(drafter, cfg.num_heads)
+    eval_block: dict[str, Any] = {"held_out_by_depth": {"as_stored": score_depths(drafter, model, val_pairs,
+                                                                                  cfg.num_heads),
+                                                        "before_storage": before}}
+    log("held-out by depth (as stored): " + "  ".join(
+        f"{d['top1']:.3f}/{d['top5']:.3f}" for d in eval_block["held_out_by_depth"]["as_stored"]))
+    training = {"kind": "eagle", **block, "seed": cfg.seed, "elapsed_s": round(train_s, 1),
+                "data": data_block,
+                **({"init_drafter": str(cfg.init_drafter)} if cfg.init_drafter is not None else {})}
+    return _write(cfg, engine, heads, training, eval_block, block.get("history", []), t0, log)

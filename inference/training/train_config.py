@@ -30,7 +30,8 @@ class TrainConfig:
     gen_batch: int = 64
     num_heads: int = 4
     num_layers: int = 2               # residual blocks per head
-    kind: str = "hydra"               # "medusa" or "hydra" (heads that also read the drafted tokens)
+    kind: str = "hydra"               # "medusa", "hydra" (heads that also read the drafted tokens) or
+    #                                   "eagle" (the attention drafter for every level, num_heads deep)
     conditioning: str = "chain"       # hydra only: "concat" (Hydra's) or "chain" (recurrent)
     loss: str = "kl"                  # "kl" (to the base distribution) or "ce" (to the sampled token)
     decay: float = 0.8                # lambda: head k's loss weight is decay**k
@@ -56,6 +57,7 @@ class TrainConfig:
     drafter_batch: int = 32             # whole sequences per drafter step
     drafter_lr: float = 1e-3
     drafter_intermediate: int | None = None  # the drafter layer's MLP width (None: the base model's)
+    init_drafter: Path | None = None    # eagle: start from this heads directory's drafter
     # what the data's prompts are, for the manifest (train-heads --from-log names the runs instead)
     prompt_source: str = "elesium/data/distill_templates.jsonl (not MT-Bench)"
     command: str = ""

@@ -19,6 +19,7 @@ import torch
 
 from elesium.inference.decoding.tree import Tree
 from elesium.inference.decoding.tree_policy import TreePolicy
+from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.engine import Engine
 from elesium.inference.runtime.forward import TREE_BUCKETS
 from elesium.inference.sampling import SamplingParams
@@ -92,10 +93,15 @@ def head_acceptance(engine: Engine, prompts: Sequence[str], max_tokens: int = 96
         if rows.numel() == 0:
             continue
         ahead = rows[:, None] + torch.arange(heads.num_heads, device=model.device)
-        # Hydra heads read the true path so far (x_{t+1} ...), as they do when that path was drafted.
-        out = heads.teacher_forced(model, hidden[rows], target[ahead + 1])  # [heads, rows, H]
+        if isinstance(heads, DrafterTree):  # every level drafted from the true path, unrolled
+            feats = heads.feature_drafter.unrolled(model, hidden[None, :-1], target[None, 1:],
+                                                   heads.num_heads)
+            out = torch.stack([f[0][rows + d] for d, f in enumerate(feats)])  # depth d+1 drafts from t at t+d
+        else:
+            # Hydra heads read the true path so far (x_{t+1} ...), as they do when that path was drafted.
+            out = heads.teacher_forced(model, hidden[rows], target[ahead + 1])  # [heads, rows, H]
         drafter = heads.drafter
-        if drafter is not None:  # level 1 is drafted by the attention drafter: score that
+        if drafter is not None and not isinstance(heads, DrafterTree):  # level 1 is the drafter's: score that
             # row t reads (h_t, x_{t+1})
             feats = drafter.sequence(model, hidden[None, :-1], target[None, 1:])[0]
             out = torch.cat([feats[rows][None], out[1:]])

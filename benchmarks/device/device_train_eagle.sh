@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 18 on the H200: the eagle drafter tree (inference/drafters/drafter_tree.py) trained, then measured
+# beside the shipped heads. Calls to one warm machine (device_model.sh: call 1 carried .model/z_00,
+# .model/SHA256 and .whl; the first call of this script carries .model/z_01):
+#   train   `train-heads --kind eagle`: distils into $W the first time (--gen-batch 512, ~5 minutes), then
+#           trains the drafter unrolled over DEPTH levels, starting from the shipped heads' level-1 drafter,
+#           until the call's time budget; a later `train` call resumes from $W/drafter_ckpt.pt (the same
+#           command with --resume) on the same schedule. Each call scores the drafter as stored and writes
+#           heads + manifest to $W and to $OUT/eagle.tgz.
+#   bench   benchmarks/drafter_tree.py (vanilla, the shipped heads, the drafter tree at NODES) on MT-Bench
+#           and the enterprise prompts at T in BENCH_TS, then `elesium bench --heads $W` on MT-Bench, and
+#           the GPU tests in TESTS_K.
+set -uo pipefail
+CARRY=${CARRY:-/root/whl}
+source "$(dirname "$0")/device_model.sh"
+source "$(dirname "$0")/device_env.sh"
+export ELESIUM_MODEL=$M ELESIUM_INVARIANT_NUMERICS=on
+W=${WORK:-/root/eagle}
+SHIPPED=inference/drafters/shipped/smollm2-135m-instruct
+CMD="train-heads --device cuda --kind eagle --num-heads ${DEPTH:-5} --init-drafter $SHIPPED \
+--drafter-steps ${STEPS:-4000} --drafter-batch ${BATCH:-32} --drafter-lr ${LR:-5e-4} --gen-batch 512 \
+--eval-every ${EVAL_EVERY:-500} --ckpt-every 250 --eval-prompts $P --out $W --time-budget ${BUDGET:-500}"
+case "$1" in
+  train)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    resume=""; [ -f "$W/drafter_ckpt.pt" ] && resume="--resume"
+    echo "start $(date -u +%FT%TZ): elesium $CMD $resume" | tee "$OUT/train.log"
+    ELESIUM_CACHE_DIR=/root/cache_train $E $CMD $resume >"$OUT/train_full.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/train.log"
+    tr '\r' '\n' <"$OUT/train_full.log" | grep -v "^\s*$" | grep -v "it/s\]$" | tail -40 | tee -a "$OUT/train.log"
+    tr '\r' '\n' <"$OUT/train_full.log" | grep "it/s" | tail -2 | tee -a "$OUT/train.log"
+    gzip -f "$OUT/train_full.log"
+    echo "end $(date -u +%FT%TZ)" | tee -a "$OUT/train.log"
+    tar czf "$OUT/eagle.tgz" -C "$W" manifest.json drafter.safetensors ;;
+  bench)
+    source "$(dirname "$0")/device_bench_fns.sh"
+    for t in ${BENCH_TS:-0 0.7}; do
+      for set in ${SETS:-mt_bench_questions enterprise_prompts}; do
+        echo "== drafter tree against the shipped heads and vanilla, $set, T=$t ($(date -u +%T))" | tee -a "$S"
+        ELESIUM_CACHE_DIR=/root/cache_bench timeout ${TREE_S:-200} python3 -P benchmarks/drafter_tree.py \
+          --heads "$W" --prompts tests/data/$set.jsonl --max-tokens 128 --nodes ${NODES:-32,48} --temperature "$t" \
+          --out "$OUT/drafter_tree_${set}_t$t.json" 2>"$OUT/drafter_tree_${set}_t$t.log" | tee -a "$S"
+        echo "exit ${PIPESTATUS[0]}" | tee -a "$S"
+      done
+    done
+    if [ "${BENCHES:-1}" = 1 ]; then
+      for t in ${BENCH_TS:-0 0.7}; do
+        bench "eagle_t${t}_mt_bench" ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl --temperature "$t" --heads "$W"
+      done
+    fi
+    if [ -n "${TESTS_K:-}" ]; then
+      echo "== pytest -m gpu tests/test_gpu.py -k '$TESTS_K' ($(date -u +%T))" | tee -a "$S"
+      ELESIUM_CACHE_DIR=/root/cache_pytest timeout ${PYTEST_S:-200} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -q \
+        -p no:cacheprovider --durations=8 -k "$TESTS_K" >"$OUT/pytest_gpu.log" 2>&1
+      echo "exit $?; $(tail -1 "$OUT/pytest_gpu.log")" | tee -a "$S"
+    fi
+    echo "end $(date -u +%FT%TZ)" | tee -a "$S"
+    (cd "$OUT" && tar czf logs.tar.gz ./*.log summary.md && rm -f ./*.log)
+    cat "$S" ;;
+  *) echo "usage: $0 train|bench" >&2; exit 2 ;;
+esac
