@@ -24,7 +24,7 @@ from elesium.inference.runtime.forward import ForwardRunner, draft_tree
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.training.drafter_training import depth_logits, drafter_loss, padded
 from elesium.inference.training.head_training import TrainConfig, train
-from helpers import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
+from helpers import SHA, VOCAB, ChainRunner, cycle_records, tiny_engine, tiny_model
 
 
 def random_tree(seed: int = 0, depth: int = 4) -> tuple:
@@ -98,19 +98,17 @@ def test_cached_tree_expansion_equals_the_unrolled_path(live):
     assert cache[0].shape[2] == 64 + runner.draft_rows + tree.scratch_slots
 
 
-@torch.inference_mode(False)
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_decoding_with_the_drafter_tree_is_exact(temperature):
-    """Greedy: the committed tokens are vanilla's. Sampled with a fitted drafter: drafts get accepted
-    several levels deep (the drafter tree's purpose), and greedy equality holds at T = 0."""
+@pytest.fixture(scope="module")
+def fitted() -> tuple:
+    """A tiny model, a depth-4 drafter tree fitted (unrolled) to vanilla's greedy continuation of PROMPT,
+    and that continuation: drafts get accepted several levels deep."""
     model, tree = random_tree(3, depth=4)
-    prompt = [(5 * i + 1) % VOCAB for i in range(11)]
-    greedy = SamplingParams(max_tokens=60)
-    van = VanillaDecoder(ForwardRunner(model, model.new_cache(128)), greedy, Sampler(0))
-    want = [van.prefill(prompt)]
+    van = VanillaDecoder(ForwardRunner(model, model.new_cache(128)), SamplingParams(max_tokens=60),
+                         Sampler(0))
+    want = [van.prefill(PROMPT)]
     while len(want) < 60:
         want.extend(van.step(128 - van.offset)[0])
-    tokens, valid = padded([prompt + want], torch.device("cpu"))
+    tokens, valid = padded([PROMPT + want], torch.device("cpu"))
     opt = torch.optim.AdamW(tree.drafter.parameters(), lr=1e-2)
     with torch.enable_grad():
         tree.drafter.requires_grad_(True)
@@ -120,19 +118,43 @@ def test_decoding_with_the_drafter_tree_is_exact(temperature):
             loss.backward()
             opt.step()
         tree.drafter.requires_grad_(False)
+    return model, tree, want[:60]
+
+
+PROMPT = [(5 * i + 1) % VOCAB for i in range(11)]
+
+
+def _decode(model, tree, runner, temperature: float = 0.0) -> tuple[list[int], list[int]]:
     params = SamplingParams(max_tokens=60, temperature=temperature, seed=7)
-    dec = TreeDecoder(ForwardRunner(model, model.new_cache(128), tree), tree, params, Sampler(7),
-                      TreePolicy(kind="dynamic", max_nodes=12, topk=3))
-    got = [dec.prefill(prompt)]
-    accepted = []
+    dec = TreeDecoder(runner, tree, params, Sampler(7), TreePolicy(kind="dynamic", max_nodes=12, topk=3,
+                                                                   expand_width=4, adapt=False))
+    got, accepted = [dec.prefill(PROMPT)], []
     while len(got) < 60:
         step_tokens, record = dec.step(128 - dec.offset)
         got.extend(step_tokens)
         accepted.append(record.accepted_length)
-    if temperature == 0:
-        assert got[:60] == want[:60]
-        assert max(accepted) >= 4  # levels past the first were drafted right
-    assert all(0 <= t < VOCAB for t in got)
+    return got[:60], accepted
+
+
+@torch.inference_mode()
+def test_greedy_with_the_drafter_tree_equals_vanilla(fitted):
+    """Host tree steps: vanilla's tokens, with drafts accepted past the first levels."""
+    model, tree, want = fitted
+    got, accepted = _decode(model, tree, ForwardRunner(model, model.new_cache(128), tree))
+    assert got == want
+    assert max(accepted) >= 4, f"levels past the second should be accepted (accepted lengths {accepted})"
+
+
+@torch.inference_mode()
+def test_chained_tree_steps_with_the_drafter_tree_equal_vanilla(fitted):
+    """The self-feeding tree step (runtime/tree_chain.py, the CUDA path), its body run eagerly: the
+    drafter tree drafts on the static (whole-cache) path inside it."""
+    model, tree, want = fitted
+    runner = ChainRunner(model, model.new_cache(128), tree)
+    got, accepted = _decode(model, tree, runner)
+    assert got == want
+    assert len(runner.chains_started) == 1, "the chain should have carried the whole generation"
+    assert max(accepted) >= 4, f"levels past the second should be accepted (accepted lengths {accepted})"
 
 
 def test_save_load_round_trip_and_wrong_model(tmp_path: Path):
