@@ -14,10 +14,9 @@ features rather than the base model's.
 
 The tree is expanded as in ``HydraHeads.expand`` (EAGLE-2: keep the ``width`` paths of highest
 cumulative log-probability per level) and returned in the same layout, so everything downstream (the
-tree choice, verification, acceptance) is shared. Level rows are written to a scratch region at the end
-of the drafter's cache, past every real slot, and attend to the accepted slots plus the scratch slots
-of their own ancestors under an explicit mask. Shapes are static and nothing syncs, so CUDA graphs
-capture it.
+tree choice, verification, acceptance) is shared. Level rows are written to the drafter cache's slots
+just past the accepted ones and attend, through the tree-attention kernel, to the accepted slots plus
+their own ancestors. Shapes are static and nothing syncs, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -30,10 +29,11 @@ from torch import nn
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
 from elesium.inference.runtime.model import Transformer
-from elesium.kernels.tree_attention import masked_attention
+from elesium.kernels.tree_attention import tree_attention
 
 MAX_WIDTH = 32
-"""Most paths one level may keep: the scratch region holds ``(depth - 1) * MAX_WIDTH`` slots."""
+"""Most paths one level may keep: the drafter cache keeps ``(depth - 1) * MAX_WIDTH`` slots of slack past
+the context for the level rows."""
 
 
 class DrafterTree(nn.Module):
@@ -64,7 +64,7 @@ class DrafterTree(nn.Module):
 
     @property
     def scratch_slots(self) -> int:
-        """Drafter-cache slots the levels past the first need, after every real slot."""
+        """Drafter-cache slots the level rows may need past the last real slot."""
         return (self.num_heads - 1) * MAX_WIDTH
 
     def config(self) -> dict[str, Any]:
@@ -79,35 +79,36 @@ class DrafterTree(nn.Module):
         raise TypeError("eagle drafters read the whole context; use FeatureDrafter.unrolled on sequences")
 
     def expand(self, model: Transformer, first: torch.Tensor, token: torch.Tensor, width: int, topk: int,
-               cache: tuple[torch.Tensor, torch.Tensor], root: torch.Tensor, live: int | None = None,
+               cache: tuple[torch.Tensor, torch.Tensor], root: int | torch.Tensor,
                topk_chunk: int | None = None,
                levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft a tree from ``first`` (``[1, H]``, the drafter's feature at the accepted position
-        ``root``, a ``[1]`` slot that is also its RoPE position) and ``token`` (``x_{t+1}``, which
-        ``first`` was computed with). Returns ``HydraHeads.expand``'s layout.
+        """Draft a tree from ``first`` (``[1, H]``, the drafter's feature at the accepted slot ``root``,
+        which is also its RoPE position) and ``token`` (``x_{t+1}``, which ``first`` was computed
+        with). Returns ``HydraHeads.expand``'s layout.
 
-        ``cache`` is the drafter's ``(k, v)``; the scratch region is its last ``scratch_slots``
-        slots. ``live``: attend over only the first this many slots plus the scratch region (eager
-        calls, which know how far the context reaches); None: the whole cache (CUDA graphs).
+        ``cache`` is the drafter's ``(k, v)``. Level ``k``'s rows go to the ``width`` slots from
+        ``root + 1 + (k - 1) * width``: slots past the accepted ones, which the next step's accepted
+        rows overwrite before anything reads them. Each level is one tree-attention call over every
+        level's rows, each row seeing the accepted slots, its ancestors and itself: the kernel the
+        verification forward uses, split over the prefix, so a long context costs what it costs there.
+        ``root``: an ``int`` attends over the live slots only (eager); a 0-d tensor over the whole
+        cache under the mask (CUDA graphs).
         """
         if width > MAX_WIDTH:
-            raise ValueError(f"expand width {width} exceeds the drafter tree's scratch of {MAX_WIDTH} "
-                             "per level")
+            raise ValueError(f"expand width {width} exceeds the drafter tree's slack of {MAX_WIDTH} "
+                             "slots per level")
         k_cache, v_cache = cache
-        capacity = k_cache.shape[2]
-        base = capacity - self.scratch_slots
         dev = first.device
         depth = self.num_heads if levels is None else max(1, min(levels, self.num_heads))
-        cols = torch.arange(capacity, device=dev)
-        select = None
-        if live is not None:  # the live context and the scratch region, nothing between them
-            cols = select = torch.cat([cols[:min(live, base)], cols[base:]])
-        prefix = cols <= root  # [S]: accepted slots, the same for every row
+        rows_total = (depth - 1) * width
+        # ancestors[i, j]: level row i sees level row j (its ancestors and itself); static [N, N].
+        ancestors = torch.zeros(rows_total, rows_total, dtype=torch.bool, device=dev)
+        eye = torch.eye(rows_total, dtype=torch.bool, device=dev)
+        queries = None
 
         scored = state = first.to(model.dtype)
         cum = torch.zeros(1, device=dev)
         parent = torch.full((1,), -1, dtype=torch.long, device=dev)
-        path = torch.empty(1, 0, dtype=torch.long, device=dev)  # scratch slots of each row's ancestors
         all_tokens, all_logprobs, all_parents = [], [], []
         for k in range(depth):
             logits = model.logits(scored)
@@ -124,30 +125,36 @@ class DrafterTree(nn.Module):
             best = torch.topk(total, min(width, total.numel())).indices
             rows = torch.div(best, topk, rounding_mode="floor")
             n = best.numel()
-            slots = base + k * MAX_WIDTH + torch.arange(n, device=dev)
-            path = torch.cat([path[rows], slots[:, None]], dim=1)
-            visible = prefix[None, :] | (cols[None, :, None] == path[:, None, :]).any(-1)
-            state = self._level(model, state[rows], top_tokens.flatten()[best], root + 1 + k, k_cache,
-                                v_cache, slots, select, visible).to(model.dtype)
+            lo = k * width  # this level's first row among the level rows
+            if k > 0:  # a row sees what its parent (row lo - width + rows) sees
+                ancestors[lo:lo + n] = ancestors[lo - width + rows]
+            ancestors[lo:lo + n] |= eye[lo:lo + n]
+            if queries is None:
+                queries = torch.zeros(1, self.feature_drafter.layer_config.num_heads, rows_total,
+                                      self.feature_drafter.layer_config.head_dim, device=dev,
+                                      dtype=k_cache.dtype)
+            state = self._level(model, state[rows], top_tokens.flatten()[best], root, k, lo, k_cache, v_cache,
+                                queries, ancestors).to(model.dtype)
             scored, cum, parent = state, total[best], best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
-    def _level(self, model: Transformer, state: torch.Tensor, tokens: torch.Tensor, position: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, select: torch.Tensor | None,
-               visible: torch.Tensor) -> torch.Tensor:
-        """One level's rows through the drafter layer: write their keys at ``slots``, attend under
-        ``visible`` (``[rows, S]`` over the slots ``select``, or over the whole cache), return their
-        features ``[rows, H]``."""
+    def _level(self, model: Transformer, state: torch.Tensor, tokens: torch.Tensor, root: int | torch.Tensor,
+               k: int, lo: int, k_cache: torch.Tensor, v_cache: torch.Tensor, queries: torch.Tensor,
+               ancestors: torch.Tensor) -> torch.Tensor:
+        """Level ``k + 1``'s rows (``lo...`` among the level rows) through the drafter layer: keys to
+        their slots, attention over the accepted slots and their ``ancestors``, features ``[rows, H]``.
+        ``queries`` holds every level row's query; only this level's are read back."""
         drafter = self.feature_drafter
         layer = drafter.layer
-        pos = position.expand(tokens.shape[0])
+        n = tokens.shape[0]
+        pos = (root + 1 + k) + torch.zeros(n, dtype=torch.long, device=tokens.device)
         cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]
         x = drafter.inputs(model, state[None], tokens[None])
-        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)
-        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
-        keys, values = k_cache, v_cache
-        if select is not None:
-            keys, values = k_cache.index_select(2, select), v_cache.index_select(2, select)
-        x = x + layer.attn.merge(masked_attention(q, keys, values, visible[None, None]))
+        q, key, value = layer.attn.project(layer.attn_norm(x), cos, sin)
+        slots = (root + 1 + lo) + torch.arange(n, device=tokens.device)
+        k_cache.index_copy_(2, slots, key.to(k_cache.dtype))
+        v_cache.index_copy_(2, slots, value.to(v_cache.dtype))
+        queries[:, :, lo:lo + n] = q.to(queries.dtype)
+        out = tree_attention(queries, k_cache, v_cache, root + 1, ancestors)[:, :, lo:lo + n]
+        x = x + layer.attn.merge(out.to(x.dtype))
         return (x + layer.mlp(x))[0]

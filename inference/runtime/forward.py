@@ -86,9 +86,10 @@ def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, to
     hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
     if isinstance(heads, DrafterTree):  # the drafter drafts every level, through its own cache
         assert first is not None and drafter_cache is not None
-        live = start + rows.shape[0] if isinstance(start, int) else None
-        return heads.expand(model, first, token, width, topk, drafter_cache, start + last, live,
-                            topk_chunk, levels)
+        # Eager callers pass no padding rows: the host knows the root slot, and attention spans the live
+        # slots only. The graphs' root stays on the device.
+        root = start + int(last) if isinstance(start, int) else (start + last).reshape(())
+        return heads.expand(model, first, token, width, topk, drafter_cache, root, topk_chunk, levels)
     return heads.expand(model, hidden, token, width, topk, first, topk_chunk, levels)
 
 
@@ -115,7 +116,7 @@ class ForwardRunner:
         self.heads = heads
         drafter = None if heads is None else heads.drafter
         # Slack past the context for the graph runner's padding rows.
-        # The drafter tree's scratch region goes last, past every slot a real or padding row writes.
+        # A drafter tree writes its level rows past the last slot a real or padding row writes.
         scratch = heads.scratch_slots if isinstance(heads, DrafterTree) else 0
         self.drafter_cache = None if drafter is None else drafter.new_cache(
             self.cache.max_len + self.draft_rows + scratch, self.device, drafter.dtype)
