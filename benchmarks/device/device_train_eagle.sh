@@ -33,6 +33,8 @@ case "$1" in
     echo "end $(date -u +%FT%TZ)" | tee -a "$OUT/train.log"
     tar czf "$OUT/eagle.tgz" -C "$W" manifest.json drafter.safetensors ;;
   bench)
+    # A drafter trained in an earlier session (its machine gone) travels in the carry.
+    if [ ! -f "$W/manifest.json" ] && [ -n "${EAGLE_DIR:-}" ]; then mkdir -p "$W" && cp "$EAGLE_DIR"/* "$W/"; fi
     source "$(dirname "$0")/device_bench_fns.sh"
     for t in ${BENCH_TS:-0 0.7}; do
       for set in ${SETS:-mt_bench_questions enterprise_prompts}; do
