@@ -6,6 +6,8 @@ Two engines share the process (one per heads directory; the model is small), so 
 prompt back to back, the order rotating from prompt to prompt. Records per prompt ms/token, tokens per
 step (tau) and, greedy, whether the tokens equal vanilla's; then medians over prompts, medians of
 per-prompt ratios to vanilla, pooled tau and acceptance by depth (``tuning.benchmark.acceptance_by_depth``).
+Also what one step's drafting costs with each (``runner.expand`` on three accepted rows at slot 200, as a
+step calls it: a graph replay on CUDA, eager on the CPU; median of ``--draft-repeats`` calls, alternating).
 
     python benchmarks/drafter_tree.py --heads DIR --prompts tests/data/mt_bench_questions.jsonl \\
         --max-tokens 128 --nodes 32,48 --out drafter_tree.json
@@ -30,6 +32,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=None, help="paths kept per level (default: the policy's)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--draft-repeats", type=int, default=50)
+    ap.add_argument("--shipped-nodes", type=int, default=None,
+                    help="tree size for the shipped heads (default: their tuned policy's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -48,6 +53,9 @@ def main() -> None:
     greedy = args.temperature == 0.0
     systems: dict[str, tuple[Engine, str, object]] = {
         "vanilla": (old, "vanilla", None), "shipped": (old, "speculative", old.policy)}
+    if args.shipped_nodes is not None:
+        old.policy = dataclasses.replace(old.policy, max_nodes=args.shipped_nodes)
+        systems["shipped"] = (old, "speculative", old.policy)
     for n in (int(x) for x in args.nodes.split(",")):
         width = args.width or old.policy.expand_width
         policy = dataclasses.replace(old.policy, max_nodes=n, expand_width=width)
@@ -88,8 +96,38 @@ def main() -> None:
                 r["vanilla"]["ms_per_token"] / r[name]["ms_per_token"] for r in out)}
         if name != "vanilla":
             summary[name]["accept_rate_by_depth"] = [round(x, 4) for x in acceptance_by_depth(gens[name])]
+    summary["drafting_ms_per_step"] = drafting_cost(old, new, args.draft_repeats)
     args.out.write_text(json.dumps({"summary": summary, "prompts": out}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if not k.startswith("engine")}))
+
+
+def drafting_cost(old, new, repeats: int) -> dict[str, float]:
+    """Median ms of one step's drafting (``runner.expand``) for each engine's heads, under the shipped
+    heads' policy, the calls alternating."""
+    import time
+
+    import torch
+
+    times: dict[str, list[float]] = {"shipped": [], "tree": []}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for i in range(repeats + 2):
+            for name in (("shipped", "tree") if i % 2 == 0 else ("tree", "shipped")):
+                engine = old if name == "shipped" else new
+                model, policy = engine.model, old.policy
+                rows = torch.randn(3, model.config.hidden_size, generator=gen) * 0.5
+                rows = rows.to(model.device, model.dtype)
+                levels = policy.draft_levels(engine.heads.num_heads)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                engine.runner.expand(engine.heads, rows, [11, 12, 13], 200, policy.expand_width,
+                                     policy.draft_topk(), levels)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 2:  # the first calls capture graphs
+                    times[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -71,3 +71,24 @@ def test_tuner_scores_level_one_with_the_drafter(restored_engine):
     assert with_drafter[1:] == without[1:]
     # Top-1 at level 1 is what a tree's first draft gets accepted on (here 0.48 against 0.41 of 56 positions).
     assert with_drafter[0][0] > without[0][0], (with_drafter[0][:3], without[0][:3])
+
+
+def test_tuner_scores_every_level_of_a_drafter_tree(restored_engine):
+    """With the shipped eagle drafter tree, every level is the drafter's (unrolled along the true path):
+    five levels, and levels 2-4 beat the Hydra heads' (MT-Bench top-1 0.58 / 0.55 / 0.54 against 0.40 /
+    0.40 / 0.38, HEADS.md)."""
+    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.drafters.files import default_heads_dir, load_heads
+    from elesium.inference.tuning.tuner import head_acceptance
+
+    engine = restored_engine
+    prompts = ["List three causes of a failed database backup.", "Write a haiku about autumn rain."]
+    hydra = head_acceptance(engine, prompts, max_tokens=32)
+    engine.heads = load_heads(default_heads_dir().with_name("smollm2-135m-instruct-eagle"),
+                              base_sha256=engine.weights_info.sha256, device=engine.model.device,
+                              dtype=engine.model.dtype)
+    assert isinstance(engine.heads, DrafterTree) and engine.heads.num_heads == 5
+    tree = head_acceptance(engine, prompts, max_tokens=32)
+    assert len(tree) == 5 and len(hydra) == 4
+    deep_tree, deep_hydra = sum(tree[d][0] for d in (1, 2, 3)), sum(hydra[d][0] for d in (1, 2, 3))
+    assert deep_tree > deep_hydra, ([row[0] for row in tree], [row[0] for row in hydra])
