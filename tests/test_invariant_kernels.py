@@ -333,3 +333,40 @@ def test_fused_forward_computes_the_models_forward(invariant: bool) -> None:
     assert rel_err(ours.k[:, :, :, :22], ref.k[:, :, :, :22]) < 1e-5
     assert rel_err(ours.v[:, :, :, :22], ref.v[:, :, :, :22]) < 1e-5
     assert model.fused_pointwise is invariant  # the switch that routes CUDA forwards through it
+
+
+@pytest.mark.parametrize("root_on_device", [False, True])
+def test_fused_drafter_tree_levels_compute_the_plain_levels(root_on_device: bool) -> None:
+    """drafters/drafter_tree.py's fused levels (the kernels above) against its plain levels on a random fp32
+    drafter: the same tree, log-probabilities and drafter-cache writes, eager (int root) and static."""
+    from elesium.inference.drafters.attention_drafter import FeatureDrafter
+    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.runtime.config import ModelConfig
+    from elesium.inference.runtime.model import Transformer
+
+    torch.manual_seed(5)
+    config = ModelConfig(vocab_size=50, hidden_size=128, intermediate_size=96, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=64, max_position_embeddings=128)
+    model = Transformer(config).eval().requires_grad_(False)
+    drafter = FeatureDrafter.for_model(config)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    tree = DrafterTree(drafter, depth=4).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(9)
+    first = torch.randn(1, 128, generator=g)
+    token = torch.tensor([7])
+    caches = []
+    for _ in range(2):
+        k, v = drafter.new_cache(64 + tree.scratch_slots, "cpu", torch.float32)
+        k.normal_(generator=g) if not caches else k.copy_(caches[0][0])
+        v.normal_(generator=g) if not caches else v.copy_(caches[0][1])
+        caches.append((k, v))
+    root = torch.tensor(20) if root_on_device else 20
+    with torch.inference_mode():
+        plain = tree.expand(model, first, token, 4, 3, caches[0], root, fused=False)
+        fused = tree.expand(model, first, token, 4, 3, caches[1], root, fused=True)
+    assert torch.equal(plain[0], fused[0]) and torch.equal(plain[2], fused[2])
+    assert rel_err(fused[1], plain[1]) < 1e-5
+    for a, b in zip(caches[0], caches[1]):
+        assert rel_err(b[:, :, :21 + 3 * 4], a[:, :, :21 + 3 * 4]) < 1e-5

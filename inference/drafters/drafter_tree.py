@@ -80,8 +80,8 @@ class DrafterTree(nn.Module):
 
     def expand(self, model: Transformer, first: torch.Tensor, token: torch.Tensor, width: int, topk: int,
                cache: tuple[torch.Tensor, torch.Tensor], root: int | torch.Tensor,
-               topk_chunk: int | None = None,
-               levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               topk_chunk: int | None = None, levels: int | None = None,
+               fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a tree from ``first`` (``[1, H]``, the drafter's feature at the accepted slot ``root``,
         which is also its RoPE position) and ``token`` (``x_{t+1}``, which ``first`` was computed
         with). Returns ``HydraHeads.expand``'s layout.
@@ -92,8 +92,12 @@ class DrafterTree(nn.Module):
         level's rows, each row seeing the accepted slots, its ancestors and itself: the kernel the
         verification forward uses, split over the prefix, so a long context costs what it costs there.
         ``root``: an ``int`` attends over the live slots only (eager); a 0-d tensor over the whole
-        cache under the mask (CUDA graphs).
+        cache under the mask (CUDA graphs). ``fused``: each level's elementwise work through the fused
+        kernels (``_level_fused``); None: where the base model's forward uses them (CUDA with
+        ``model.fused_pointwise``).
         """
+        if fused is None:
+            fused = bool(getattr(model, "fused_pointwise", False)) and first.is_cuda
         if width > MAX_WIDTH:
             raise ValueError(f"expand width {width} exceeds the drafter tree's slack of {MAX_WIDTH} "
                              "slots per level")
@@ -133,8 +137,9 @@ class DrafterTree(nn.Module):
                 queries = torch.zeros(1, self.feature_drafter.layer_config.num_heads, rows_total,
                                       self.feature_drafter.layer_config.head_dim, device=dev,
                                       dtype=k_cache.dtype)
-            state = self._level(model, state[rows], top_tokens.flatten()[best], root, k, lo, k_cache, v_cache,
-                                queries, ancestors).to(model.dtype)
+            level = self._level_fused if fused else self._level
+            state = level(model, state[rows], top_tokens.flatten()[best], root, k, lo, k_cache, v_cache,
+                          queries, ancestors).to(model.dtype)
             scored, cum, parent = state, total[best], best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
@@ -158,3 +163,26 @@ class DrafterTree(nn.Module):
         out = tree_attention(queries, k_cache, v_cache, root + 1, ancestors)[:, :, lo:lo + n]
         x = x + layer.attn.merge(out.to(x.dtype))
         return (x + layer.mlp(x))[0]
+
+    def _level_fused(self, model: Transformer, state: torch.Tensor, tokens: torch.Tensor,
+                     root: int | torch.Tensor, k: int, lo: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     queries: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """``_level`` with the elementwise work in the fused kernels of ``runtime/fused.py``'s forward:
+        the norms (an add-and-norm from zero for the first), RoPE with the cache write, SwiGLU. About 20
+        launches a level instead of about 45, inside a graph that replays four levels a step."""
+        from elesium.kernels.fused_pointwise import add_rms_norm, rope_qkv_to_cache, swiglu
+
+        drafter = self.feature_drafter
+        layer, c = drafter.layer, drafter.layer_config
+        n = tokens.shape[0]
+        pos = (root + 1 + k) + torch.zeros(n, dtype=torch.long, device=tokens.device)
+        cos, sin = model.rope_cos[pos][None], model.rope_sin[pos][None]
+        x = drafter.inputs(model, state[None], tokens[None])
+        x, normed = add_rms_norm(torch.zeros_like(x), x, layer.attn_norm.weight, layer.attn_norm.eps)
+        q = rope_qkv_to_cache(layer.attn.wqkv(normed), cos, sin, k_cache, v_cache, root + 1 + lo,
+                              c.num_heads, c.num_kv_heads)
+        queries[:, :, lo:lo + n] = q.to(queries.dtype)
+        out = tree_attention(queries, k_cache, v_cache, root + 1, ancestors)[:, :, lo:lo + n]
+        attn = layer.attn.wo(out.transpose(1, 2).reshape(1, n, c.q_size).to(x.dtype))
+        x, normed = add_rms_norm(x, attn, layer.mlp_norm.weight, layer.mlp_norm.eps)
+        return (x + layer.w2(swiglu(layer.w13(normed))))[0]
