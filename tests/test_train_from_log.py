@@ -112,3 +112,37 @@ def test_bad_from_log_requests_are_one_line(extra, message, redis_url, tmp_path,
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_cli_trains_an_eagle_drafter_tree_from_the_log(traffic, redis_url: str, tmp_path,
+                                                       monkeypatch) -> None:
+    """``--kind eagle`` from the service's own traffic, starting from the shipped drafter: a drafter tree
+    that loads, scored by depth."""
+    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.drafters.files import default_heads_dir, load_heads
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    out = tmp_path / "eagle"
+    argv = ["train-heads", "--from-log", "--prefix", traffic["prefix"], "--out", str(out), "--device", "cpu",
+            "--dtype", "float32", "--kind", "eagle", "--num-heads", "3", "--init-drafter",
+            str(default_heads_dir()), "--drafter-steps", "1", "--drafter-batch", "2", "--eval-every", "1",
+            "--warmup", "1", "--storage", "float"]
+    assert main(argv) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["heads"]["kind"] == "eagle" and manifest["training"]["depth"] == 3
+    assert [d["depth"] for d in manifest["eval"]["held_out_by_depth"]["as_stored"]] == [1, 2, 3]
+    assert not (out / "heads.safetensors").exists()
+    heads = load_heads(out, base_sha256=manifest["base_model"]["sha256"])
+    assert isinstance(heads, DrafterTree) and heads.num_heads == 3
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--init-drafter", "x"], "--init-drafter goes with --kind eagle"),
+    (["--kind", "eagle", "--drafter", "none"], "cannot go with --drafter none"),
+    (["--kind", "eagle", "--init-drafter", "no-such-dir"], "--init-drafter directory not found"),
+])
+def test_bad_eagle_requests_are_one_line(extra, message, tmp_path, capsys) -> None:
+    argv = ["train-heads", "--out", str(tmp_path / "h"), "--device", "cpu", "--dtype", "float32", *extra]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
