@@ -69,6 +69,37 @@ def tiny_engine(model: Transformer) -> SimpleNamespace:
                            weights_info=SimpleNamespace(sha256=SHA, source=Path("tiny.gguf")))
 
 
+def greedy_continuation(model: Transformer, prompt: list[int], n: int, cache: int = 128) -> list[int]:
+    """Vanilla greedy decoding's first ``n`` tokens after ``prompt``: what exact speculation must give."""
+    from elesium.inference.decoding.vanilla import VanillaDecoder
+    from elesium.inference.sampling import Sampler, SamplingParams
+
+    runner = ForwardRunner(model, model.new_cache(cache))
+    van = VanillaDecoder(runner, SamplingParams(max_tokens=n), Sampler(0))
+    out = [van.prefill(prompt)]
+    while len(out) < n:
+        out.extend(van.step(cache - van.offset)[0])
+    return out[:n]
+
+
+def fit_drafter(drafter: torch.nn.Module, model: Transformer, seq: list[int], steps: int,
+                depth: int = 1) -> None:
+    """Fit an attention drafter (unrolled over ``depth`` levels) to one sequence, so that its drafts of
+    that sequence get accepted; leaves it frozen."""
+    from elesium.inference.training.drafter_training import drafter_loss, padded
+
+    tokens, valid = padded([seq], torch.device("cpu"))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    with torch.enable_grad():
+        drafter.requires_grad_(True)
+        for _ in range(steps):
+            loss = drafter_loss(drafter, model, tokens, valid, depth=depth)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    drafter.requires_grad_(False)
+
+
 def cycle_records(n: int = 12, length: int = 40) -> list[dict]:
     """Answers that count up modulo VOCAB with a per-sequence stride: the future is learnable from the
     present."""

@@ -15,16 +15,24 @@ import torch
 
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
-from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.drafters.attention_drafter import FeatureDrafter, unrolled_mask
 from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.files import HeadsMismatchError, load_heads, read_manifest, save_heads
 from elesium.inference.prompts import write_jsonl
 from elesium.inference.runtime.forward import ForwardRunner, draft_tree
 from elesium.inference.sampling import Sampler, SamplingParams
-from elesium.inference.training.drafter_training import depth_logits, drafter_loss, padded
+from elesium.inference.training.drafter_training import depth_logits, padded
 from elesium.inference.training.head_training import TrainConfig, train
-from helpers import SHA, VOCAB, ChainRunner, cycle_records, tiny_engine, tiny_model
+from helpers import (
+    SHA,
+    VOCAB,
+    ChainRunner,
+    cycle_records,
+    fit_drafter,
+    greedy_continuation,
+    tiny_engine,
+    tiny_model,
+)
 
 
 def random_tree(seed: int = 0, depth: int = 4) -> tuple:
@@ -103,22 +111,9 @@ def fitted() -> tuple:
     """A tiny model, a depth-4 drafter tree fitted (unrolled) to vanilla's greedy continuation of PROMPT,
     and that continuation: drafts get accepted several levels deep."""
     model, tree = random_tree(3, depth=4)
-    van = VanillaDecoder(ForwardRunner(model, model.new_cache(128)), SamplingParams(max_tokens=60),
-                         Sampler(0))
-    want = [van.prefill(PROMPT)]
-    while len(want) < 60:
-        want.extend(van.step(128 - van.offset)[0])
-    tokens, valid = padded([PROMPT + want], torch.device("cpu"))
-    opt = torch.optim.AdamW(tree.drafter.parameters(), lr=1e-2)
-    with torch.enable_grad():
-        tree.drafter.requires_grad_(True)
-        for _ in range(80):
-            loss = drafter_loss(tree.drafter, model, tokens, valid, depth=4)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        tree.drafter.requires_grad_(False)
-    return model, tree, want[:60]
+    want = greedy_continuation(model, PROMPT, 60)
+    fit_drafter(tree.drafter, model, PROMPT + want, 80, depth=4)
+    return model, tree, want
 
 
 PROMPT = [(5 * i + 1) % VOCAB for i in range(11)]

@@ -12,7 +12,6 @@ import torch
 
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
-from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
 from elesium.inference.drafters.hydra import HydraHeads
@@ -21,7 +20,7 @@ from elesium.inference.runtime.forward import ForwardRunner, draft_tree
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.training.drafter_training import drafter_logits, drafter_loss, padded
 from elesium.inference.training.head_training import TrainConfig, train
-from helpers import SHA, VOCAB, cycle_records, tiny_engine, tiny_model
+from helpers import SHA, VOCAB, cycle_records, fit_drafter, greedy_continuation, tiny_engine, tiny_model
 
 
 def random_setup(seed: int = 0) -> tuple:
@@ -111,21 +110,9 @@ def test_greedy_with_drafter_equals_vanilla(policy):
     model, heads = random_setup(3)
     prompt = [(5 * i + 1) % VOCAB for i in range(11)]
     params = SamplingParams(max_tokens=60)
-    van = VanillaDecoder(ForwardRunner(model, model.new_cache(128)), params, Sampler(0))
-    want = [van.prefill(prompt)]
-    while len(want) < 60:
-        want.extend(van.step(128 - van.offset)[0])
+    want = greedy_continuation(model, prompt, 60)
     # Fit the drafter to this very continuation, so that its level-1 drafts do get accepted.
-    tokens, valid = padded([prompt + want], torch.device("cpu"))
-    opt = torch.optim.AdamW(heads.drafter.parameters(), lr=1e-2)
-    with torch.enable_grad():
-        heads.drafter.requires_grad_(True)
-        for _ in range(60):
-            loss = drafter_loss(heads.drafter, model, tokens, valid)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        heads.drafter.requires_grad_(False)
+    fit_drafter(heads.drafter, model, prompt + want, 60)
     old_chunk = fwd.PREFILL_CHUNK
     fwd.PREFILL_CHUNK = 4  # the prompt reaches the drafter in several chunks
     try:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
-from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
+from elesium.inference.drafters.top_logprobs import best_paths, level_candidates
 from elesium.inference.runtime.model import Transformer
 from elesium.kernels.tree_attention import tree_attention
 
@@ -108,39 +108,30 @@ class DrafterTree(nn.Module):
         # ancestors[i, j]: level row i sees level row j (its ancestors and itself); static [N, N].
         ancestors = torch.zeros(rows_total, rows_total, dtype=torch.bool, device=dev)
         eye = torch.eye(rows_total, dtype=torch.bool, device=dev)
-        queries = None
+        c = self.feature_drafter.layer_config
+        queries = torch.zeros(1, c.num_heads, rows_total, c.head_dim, device=dev, dtype=k_cache.dtype)
 
         scored = state = first.to(model.dtype)
         cum = torch.zeros(1, device=dev)
         parent = torch.full((1,), -1, dtype=torch.long, device=dev)
         all_tokens, all_logprobs, all_parents = [], [], []
         for k in range(depth):
-            logits = model.logits(scored)
-            if topk_chunk is None:
-                top_tokens, top_values = top_logprobs_reference(logits, topk)
-            else:
-                top_tokens, top_values = top_logprobs(logits, topk, topk_chunk)
+            top_tokens, top_values = level_candidates(model.logits(scored), topk, topk_chunk)
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
             all_parents.append(parent)
             if k + 1 == depth:
                 break
-            total = (cum[:, None] + top_values).flatten()
-            best = torch.topk(total, min(width, total.numel())).indices
-            rows = torch.div(best, topk, rounding_mode="floor")
+            best, rows, cum = best_paths(cum, top_values, width, topk)
             n = best.numel()
             lo = k * width  # this level's first row among the level rows
             if k > 0:  # a row sees what its parent (row lo - width + rows) sees
                 ancestors[lo:lo + n] = ancestors[lo - width + rows]
             ancestors[lo:lo + n] |= eye[lo:lo + n]
-            if queries is None:
-                queries = torch.zeros(1, self.feature_drafter.layer_config.num_heads, rows_total,
-                                      self.feature_drafter.layer_config.head_dim, device=dev,
-                                      dtype=k_cache.dtype)
             level = self._level_fused if fused else self._level
             state = level(model, state[rows], top_tokens.flatten()[best], root, k, lo, k_cache, v_cache,
                           queries, ancestors).to(model.dtype)
-            scored, cum, parent = state, total[best], best
+            scored, parent = state, best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
     def _level(self, model: Transformer, state: torch.Tensor, tokens: torch.Tensor, root: int | torch.Tensor,

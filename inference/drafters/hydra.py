@@ -31,7 +31,7 @@ from torch import nn
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.medusa import MedusaHeads, ResBlock
-from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
+from elesium.inference.drafters.top_logprobs import best_paths, level_candidates
 from elesium.inference.runtime.model import Transformer
 
 Conditioning = Literal["concat", "chain"]
@@ -147,20 +147,14 @@ class HydraHeads(nn.Module):
         for k in range(depth):
             out, state = self.advance(k, state, model.embed(tok))
             scored = first if k == 0 and first is not None else out
-            logits = model.logits(scored.to(hidden.dtype))
-            if topk_chunk is None:
-                top_tokens, top_values = top_logprobs_reference(logits, topk)
-            else:
-                top_tokens, top_values = top_logprobs(logits, topk, topk_chunk)
+            top_tokens, top_values = level_candidates(model.logits(scored.to(hidden.dtype)), topk, topk_chunk)
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
             all_parents.append(parent)
             if k + 1 == depth:
                 break
-            total = (cum[:, None] + top_values).flatten()
-            best = torch.topk(total, min(width, total.numel())).indices
-            rows = torch.div(best, topk, rounding_mode="floor")
-            state, tok, cum, parent = state[rows], top_tokens.flatten()[best], total[best], best
+            best, rows, cum = best_paths(cum, top_values, width, topk)
+            state, tok, parent = state[rows], top_tokens.flatten()[best], best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
     def config(self) -> dict[str, int | str]:

@@ -70,3 +70,20 @@ def top_logprobs(logits: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     cand_index = (first.indices + base).reshape(*lead, -1)
     second = torch.topk(cand_values, k, dim=-1)
     return cand_index.gather(-1, second.indices), second.values - lse
+
+
+def level_candidates(logits: torch.Tensor, k: int,
+                     chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft level's top-``k`` tokens and log-probabilities: the reference form, or ``top_logprobs``
+    in slices of ``chunk`` (what the tree expansions of ``hydra.py`` and ``drafter_tree.py`` share)."""
+    return top_logprobs_reference(logits, k) if chunk is None else top_logprobs(logits, k, chunk)
+
+
+def best_paths(cum: torch.Tensor, logprobs: torch.Tensor, width: int,
+               k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2's expansion rule: of every row's ``k`` candidates (``logprobs`` ``[rows, k]``, each row's
+    path so far scoring ``cum`` ``[rows]``), keep the ``width`` paths of highest total log-probability.
+    Returns their flat candidate indices ``row * k + rank``, their rows and their totals."""
+    total = (cum[:, None] + logprobs).flatten()
+    best = torch.topk(total, min(width, total.numel())).indices
+    return best, torch.div(best, k, rounding_mode="floor"), total[best]

@@ -74,10 +74,9 @@ def base_hidden(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 
 def drafter_logits(drafter: FeatureDrafter, model: Transformer,
                    tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(student logits ``[B, W-2, V]`` for x_{t+2} at rows t, base hidden states ``[B, W, H]``)."""
-    hidden = base_hidden(model, tokens)
-    feats = drafter.sequence(model, hidden[:, :-1], tokens[:, 1:])  # row t reads (h_t, x_{t+1})
-    return model.logits(feats[:, :-1]), hidden
+    """(student logits ``[B, W-2, V]`` for x_{t+2} at rows t, base hidden states ``[B, W, H]``): depth 1."""
+    logits, hidden = depth_logits(drafter, model, tokens, 1)
+    return logits[0], hidden
 
 
 def depth_features(drafter: FeatureDrafter, model: Transformer, tokens: torch.Tensor,

@@ -160,21 +160,19 @@ def score_prompts(model: Transformer, tokenizer: Any, heads: HeadsModule, prompt
     eagle drafter tree, each depth's, along the true path: ``score_depths``)."""
     ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     answers = generate_all(model, ids, max_tokens, eos_ids=tokenizer.eos_ids, batch_size=batch_size)
+    pairs = list(zip(ids, answers))
     if isinstance(heads, DrafterTree):  # every level is the drafter's, scored along the true path
-        depths = score_depths(heads.feature_drafter, model, list(zip(ids, answers)), heads.num_heads,
-                              batch_size=batch_size)
+        depths = score_depths(heads.feature_drafter, model, pairs, heads.num_heads, batch_size=batch_size)
         rows = [{"head": d["depth"], "top1": round(d["top1"], 4), "top5": round(d["top5"], 4),
                  "positions": d["positions"], "source": "drafter"} for d in depths]
         return {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
-    ids_answers = list(zip(ids, answers))
-    answers_cache = cache_hidden_states(model, ids_answers, batch_size=batch_size)
-    per_head = evaluate(heads, model, answers_cache, loss="ce")
+    per_head = evaluate(heads, model, cache_hidden_states(model, pairs, batch_size=batch_size), loss="ce")
     rows = [{"head": h["head"], "top1": round(h["top1"], 4), "top5": round(h["top5"], 4),
              "positions": h["positions"]} for h in per_head]
     result: dict[str, Any] = {"heads": rows, "tokens": sum(len(a) for a in answers), "prompts": len(prompts)}
     drafter = heads.drafter
     if drafter is not None:  # the engine drafts level 1 with the drafter: that is head 1's score
-        d = score_drafter(drafter, model, list(zip(ids, answers)), batch_size=batch_size)
+        d = score_drafter(drafter, model, pairs, batch_size=batch_size)
         result["mlp_head1"] = rows[0]
         rows[0] = {"head": 1, "top1": round(d["top1"], 4), "top5": round(d["top5"], 4),
                    "positions": d["positions"], "source": "drafter"}
