@@ -35,6 +35,12 @@ def main() -> None:
     ap.add_argument("--draft-repeats", type=int, default=50)
     ap.add_argument("--shipped-nodes", type=int, default=None,
                     help="tree size for the shipped heads (default: their tuned policy's)")
+    ap.add_argument("--plain-levels", action="store_true",
+                    help="also the drafter tree with its levels unfused (tree_N_plain), a third engine: the "
+                         "A/B of the fused levels, which are the default on CUDA")
+    ap.add_argument("--logit-scales", default="",
+                    help="also the drafter tree with each level's draft distribution softmax(s * logits), "
+                         "for each comma-separated s (tree_N_lsS, one engine each): draft-side calibration")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -51,6 +57,9 @@ def main() -> None:
     if old.heads is None or new.heads is None:
         raise SystemExit("needs the shipped heads and the drafter tree")
     greedy = args.temperature == 0.0
+    plain: Engine | None = None
+    scales = [float(x) for x in args.logit_scales.split(",") if x.strip()]
+    scaled: dict[float, Engine] = {}
     systems: dict[str, tuple[Engine, str, object]] = {
         "vanilla": (old, "vanilla", None), "shipped": (old, "speculative", old.policy)}
     if args.shipped_nodes is not None:
@@ -60,6 +69,16 @@ def main() -> None:
         width = args.width or old.policy.expand_width
         policy = dataclasses.replace(old.policy, max_nodes=n, expand_width=width)
         systems[f"tree_{n}"] = (new, "speculative", policy)
+        if args.plain_levels:
+            if plain is None:
+                plain = Engine.load(device=args.device, heads=args.heads)
+                plain.heads.fused_levels = False
+            systems[f"tree_{n}_plain"] = (plain, "speculative", policy)
+        for scale in scales:
+            if scale not in scaled:
+                scaled[scale] = Engine.load(device=args.device, heads=args.heads)
+                scaled[scale].heads.logit_scale = scale
+            systems[f"tree_{n}_ls{scale:g}"] = (scaled[scale], "speculative", policy)
 
     def run(prompt: str, name: str, seed: int):
         engine, mode, policy = systems[name]
@@ -96,24 +115,26 @@ def main() -> None:
                 r["vanilla"]["ms_per_token"] / r[name]["ms_per_token"] for r in out)}
         if name != "vanilla":
             summary[name]["accept_rate_by_depth"] = [round(x, 4) for x in acceptance_by_depth(gens[name])]
-    summary["drafting_ms_per_step"] = drafting_cost(old, new, args.draft_repeats)
+    summary["drafting_ms_per_step"] = drafting_cost(old, new, args.draft_repeats, plain)
     args.out.write_text(json.dumps({"summary": summary, "prompts": out}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if not k.startswith("engine")}))
 
 
-def drafting_cost(old, new, repeats: int) -> dict[str, float]:
+def drafting_cost(old, new, repeats: int, plain=None) -> dict[str, float]:
     """Median ms of one step's drafting (``runner.expand``) for each engine's heads, under the shipped
-    heads' policy, the calls alternating."""
+    heads' policy, the calls rotating (``tree_plain``: the drafter tree with unfused levels)."""
     import time
 
     import torch
 
-    times: dict[str, list[float]] = {"shipped": [], "tree": []}
+    engines = {"shipped": old, "tree": new} | ({"tree_plain": plain} if plain is not None else {})
+    times: dict[str, list[float]] = {name: [] for name in engines}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for i in range(repeats + 2):
-            for name in (("shipped", "tree") if i % 2 == 0 else ("tree", "shipped")):
-                engine = old if name == "shipped" else new
+            names = list(engines)
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                engine = engines[name]
                 model, policy = engine.model, old.policy
                 rows = torch.randn(3, model.config.hidden_size, generator=gen) * 0.5
                 rows = rows.to(model.device, model.dtype)

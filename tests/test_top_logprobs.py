@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference
+from elesium.inference.drafters.top_logprobs import (
+    best_paths,
+    level_candidates,
+    top_logprobs,
+    top_logprobs_reference,
+)
 from test_feature_drafter import random_setup
 from test_tree_chain import decode, setup  # noqa: F401  (setup is a fixture)
 
@@ -63,6 +68,48 @@ def test_masked_logits_and_padding() -> None:
 def test_a_slice_narrower_than_k_is_refused() -> None:
     with pytest.raises(ValueError, match="narrower than k"):
         top_logprobs(torch.randn(2, 100), 8, 4)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_a_logit_scale_drafts_from_the_tempered_distribution(chunk: int | None) -> None:
+    """``level_candidates(..., logit_scale=s)`` is ``topk(log_softmax(s * logits))``: each row keeps its own
+    candidates in the same order, only their log-probabilities move."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(11)) * 3
+    idx, values = level_candidates(logits, 8, chunk, 1 / 0.7)
+    ref_idx, ref_values = top_logprobs_reference(logits / 0.7, 8)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=5e-5)
+    plain_idx, plain_values = level_candidates(logits, 8, chunk)
+    assert torch.equal(idx, plain_idx)
+    assert bool((values[:, 0] > plain_values[:, 0]).all()), "sharper: the best candidate gains mass"
+
+
+def test_a_logit_scale_changes_which_parent_wins() -> None:
+    """What the policy's ``draft_temperature`` (a scale of the log-probabilities) cannot do: row 0's best
+    token has probability 0.35 at scale 1 against row 1's 0.48, and 0.60 against 0.50 at scale 3, so the
+    one path kept by ``best_paths`` moves from row 1 to row 0."""
+    logits = torch.tensor([[0.5, 0.0, 0.0, 0.0], [3.0, 3.0, 0.0, 0.0]])
+    cum = torch.zeros(2)
+    for scale, row in ((1.0, 1), (3.0, 0)):
+        _, values = level_candidates(logits, 2, None, scale)
+        _, rows, _ = best_paths(cum, values, 1, 2)
+        assert rows.tolist() == [row]
+        _, rows, _ = best_paths(cum, values * 0.5, 1, 2)
+        assert rows.tolist() == [row], "a scale of the log-probabilities ranks the paths the same"
+
+
+@torch.no_grad()
+def test_the_heads_draft_with_their_logit_scale() -> None:
+    """``HydraHeads.logit_scale`` reaches every level: level 0's log-probabilities are the tempered ones."""
+    model, heads = random_setup(4)
+    hidden, token, feature = torch.randn(32), torch.tensor([3]), torch.randn(1, 32)
+    plain = heads.expand(model, hidden, token, 4, 3, first=feature)
+    heads.logit_scale = 2.0
+    scaled = heads.expand(model, hidden, token, 4, 3, first=feature)
+    ref_idx, ref_values = top_logprobs_reference(model.logits(feature) * 2.0, 3)
+    assert torch.equal(scaled[0][:1], ref_idx)
+    torch.testing.assert_close(scaled[1][:1], ref_values, rtol=0, atol=5e-5)
+    assert not torch.allclose(scaled[1], plain[1])
 
 
 @torch.no_grad()

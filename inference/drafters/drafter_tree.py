@@ -41,6 +41,12 @@ class DrafterTree(nn.Module):
 
     conditioned: Literal[True] = True
     source_sha256: str = ""  # set by load_heads to the drafter file's sha256
+    # ``expand``'s default for ``fused`` (None: auto). Set before the first step, because a captured
+    # graph keeps the levels it was recorded with; benchmarks set False for the plain levels' A/B.
+    fused_levels: bool | None = None
+    # Each level's draft distribution is softmax(logit_scale * logits) (top_logprobs.level_candidates);
+    # read when a step is drafted or captured. 1.0 everywhere but calibration experiments.
+    logit_scale: float = 1.0
 
     def __init__(self, drafter: FeatureDrafter, depth: int = 5) -> None:
         super().__init__()
@@ -97,6 +103,8 @@ class DrafterTree(nn.Module):
         ``model.fused_pointwise``).
         """
         if fused is None:
+            fused = self.fused_levels
+        if fused is None:
             fused = bool(getattr(model, "fused_pointwise", False)) and first.is_cuda
         if width > MAX_WIDTH:
             raise ValueError(f"expand width {width} exceeds the drafter tree's slack of {MAX_WIDTH} "
@@ -116,7 +124,8 @@ class DrafterTree(nn.Module):
         parent = torch.full((1,), -1, dtype=torch.long, device=dev)
         all_tokens, all_logprobs, all_parents = [], [], []
         for k in range(depth):
-            top_tokens, top_values = level_candidates(model.logits(scored), topk, topk_chunk)
+            logits = model.logits(scored)
+            top_tokens, top_values = level_candidates(logits, topk, topk_chunk, self.logit_scale)
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
             all_parents.append(parent)

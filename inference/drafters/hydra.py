@@ -67,6 +67,7 @@ class HydraHeads(nn.Module):
     # Drafts depend on the path: the engine drafts per step, after verification.
     conditioned: Literal[True] = True
     source_sha256: str = ""  # set by load_heads to the files' sha256 (drafter's file included)
+    logit_scale: float = 1.0  # as DrafterTree.logit_scale
 
     def __init__(self, hidden_size: int, num_heads: int = 4, num_layers: int = 1,
                  conditioning: Conditioning = "concat") -> None:
@@ -147,7 +148,8 @@ class HydraHeads(nn.Module):
         for k in range(depth):
             out, state = self.advance(k, state, model.embed(tok))
             scored = first if k == 0 and first is not None else out
-            top_tokens, top_values = level_candidates(model.logits(scored.to(hidden.dtype)), topk, topk_chunk)
+            top_tokens, top_values = level_candidates(model.logits(scored.to(hidden.dtype)), topk, topk_chunk,
+                                                      self.logit_scale)
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
             all_parents.append(parent)

@@ -72,10 +72,17 @@ def top_logprobs(logits: torch.Tensor, k: int, chunk: int | None = None) -> tupl
     return cand_index.gather(-1, second.indices), second.values - lse
 
 
-def level_candidates(logits: torch.Tensor, k: int,
-                     chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def level_candidates(logits: torch.Tensor, k: int, chunk: int | None,
+                     logit_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft level's top-``k`` tokens and log-probabilities: the reference form, or ``top_logprobs``
-    in slices of ``chunk`` (what the tree expansions of ``hydra.py`` and ``drafter_tree.py`` share)."""
+    in slices of ``chunk`` (what the tree expansions of ``hydra.py`` and ``drafter_tree.py`` share).
+
+    ``logit_scale`` s: the log-probabilities of ``softmax(s * logits)``, the draft distribution at
+    temperature 1 / s. Unlike a scale of the log-probabilities afterwards (the tree policy's
+    ``draft_temperature``, which ranks paths the same), it changes which paths win across parents,
+    because each parent's distribution is renormalised; it never changes a parent's own top-k."""
+    if logit_scale != 1.0:
+        logits = logits.float() * logit_scale
     return top_logprobs_reference(logits, k) if chunk is None else top_logprobs(logits, k, chunk)
 
 
