@@ -45,7 +45,9 @@ class DrafterTree(nn.Module):
     # graph keeps the levels it was recorded with; benchmarks set False for the plain levels' A/B.
     fused_levels: bool | None = None
     # Each level's draft distribution is softmax(logit_scale * logits) (top_logprobs.level_candidates);
-    # read when a step is drafted or captured. 1.0 everywhere but calibration experiments.
+    # read when a step is drafted or captured. Not a setting: the engine's fingerprint does not record
+    # it, and at T > 0 another tree consumes other draws, so anything but 1.0 is for experiments
+    # (benchmarks/drafter_tree.py --logit-scales; BENCHMARKS.md §2i).
     logit_scale: float = 1.0
 
     def __init__(self, drafter: FeatureDrafter, depth: int = 5) -> None:
