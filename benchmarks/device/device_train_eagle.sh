@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 18 on the H200: the eagle drafter tree (inference/drafters/drafter_tree.py) trained, then measured
-# beside the shipped heads. Calls to one warm machine (device_model.sh: call 1 carried .model/z_00,
-# .model/SHA256 and .whl; the first call of this script carries .model/z_01):
+# beside the shipped heads. Calls to one warm machine (device_model.sh: calls 1 and 2 carried the first two
+# pieces of the model and the wheels; the first call of this script carries .model/z_02):
 #   train   `train-heads --kind eagle`: distils into $W the first time (~3 minutes), then
 #           trains the drafter unrolled over DEPTH levels, starting from the shipped heads' level-1 drafter,
 #           until the call's time budget; a later `train` call resumes from $W/drafter_ckpt.pt (the same

@@ -3,8 +3,8 @@
 # the GPU tests of the tree chain and of speculative == vanilla, benchmarks/tree_chain.py (vanilla, the host
 # tree step and the device tree step at several sizes, side by side) on MT-Bench and on the enterprise
 # prompts, then `elesium bench` at T = 0 on MT-Bench. bf16, CUDA graphs, invariant numerics on. Model
-# transfer: device_model.sh (call 1 carried .model/z_00, .model/SHA256 and .whl; this call carries
-# .model/z_01). Writes summary.md and one JSON per step; the logs travel as logs.tar.gz.
+# transfer: device_model.sh (calls 1 and 2 carried the first two pieces of the model and the wheels; this
+# call carries .model/z_02). Writes summary.md and one JSON per step; the logs travel as logs.tar.gz.
 # Knobs: TESTS=0/1 and TESTS_K (the -k filter), SETS and NODES for benchmarks/tree_chain.py and CHAIN_TS
 # (its temperatures) and CHAIN_ARGS (more flags: --topk-chunk 1024), PROFILE=1 for the step profile and
 # PROFILE_RUNNER (step_profile.py --runner: chain-pair, sliced-pair), BENCHES=0/1 and BENCH_TS (`elesium bench`'s
