@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--logit-scales", default="",
                     help="also the drafter tree with each level's draft distribution softmax(s * logits), "
                          "for each comma-separated s (tree_N_lsS, one engine each): draft-side calibration")
+    ap.add_argument("--depths", default="",
+                    help="also the drafter tree drafting each comma-separated number of levels (tree_N_dD, "
+                         "one engine per depth; the manifest's depth is tree_N): how deep a tree pays")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -60,6 +63,10 @@ def main() -> None:
     plain: Engine | None = None
     scales = [float(x) for x in args.logit_scales.split(",") if x.strip()]
     scaled: dict[float, Engine] = {}
+    deep: dict[int, Engine] = {}
+    for depth in (int(x) for x in args.depths.split(",") if x.strip()):
+        if depth != new.heads.num_heads:
+            deep[depth] = with_depth(Engine.load(device=args.device, heads=args.heads), depth)
     systems: dict[str, tuple[Engine, str, object]] = {
         "vanilla": (old, "vanilla", None), "shipped": (old, "speculative", old.policy)}
     if args.shipped_nodes is not None:
@@ -79,6 +86,8 @@ def main() -> None:
                 scaled[scale] = Engine.load(device=args.device, heads=args.heads)
                 scaled[scale].heads.logit_scale = scale
             systems[f"tree_{n}_ls{scale:g}"] = (scaled[scale], "speculative", policy)
+        for depth, engine in deep.items():
+            systems[f"tree_{n}_d{depth}"] = (engine, "speculative", policy)
 
     def run(prompt: str, name: str, seed: int):
         engine, mode, policy = systems[name]
@@ -115,19 +124,31 @@ def main() -> None:
                 r["vanilla"]["ms_per_token"] / r[name]["ms_per_token"] for r in out)}
         if name != "vanilla":
             summary[name]["accept_rate_by_depth"] = [round(x, 4) for x in acceptance_by_depth(gens[name])]
-    summary["drafting_ms_per_step"] = drafting_cost(old, new, args.draft_repeats, plain)
+    summary["drafting_ms_per_step"] = drafting_cost(old, new, args.draft_repeats, plain, deep)
     args.out.write_text(json.dumps({"summary": summary, "prompts": out}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if not k.startswith("engine")}))
 
 
-def drafting_cost(old, new, repeats: int, plain=None) -> dict[str, float]:
+def with_depth(engine, depth: int):
+    """``engine`` with its drafter tree drafting ``depth`` levels: the same drafter run deeper (or
+    shallower) than its manifest says; setting the heads again re-arms the runner (the drafter cache's
+    slack and every captured graph follow the depth)."""
+    heads = engine.heads
+    heads.num_heads = depth
+    engine.heads = heads
+    return engine
+
+
+def drafting_cost(old, new, repeats: int, plain=None, deep=None) -> dict[str, float]:
     """Median ms of one step's drafting (``runner.expand``) for each engine's heads, under the shipped
-    heads' policy, the calls rotating (``tree_plain``: the drafter tree with unfused levels)."""
+    heads' policy, the calls rotating (``tree_plain``: the drafter tree with unfused levels; ``tree_dD``:
+    drafting D levels)."""
     import time
 
     import torch
 
     engines = {"shipped": old, "tree": new} | ({"tree_plain": plain} if plain is not None else {})
+    engines |= {f"tree_d{d}": e for d, e in (deep or {}).items()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():

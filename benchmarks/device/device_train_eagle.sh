@@ -9,7 +9,7 @@
 #           heads + manifest to $W and to $OUT/eagle.tgz.
 #   bench   benchmarks/drafter_tree.py (vanilla, the shipped heads, the drafter tree at NODES) on MT-Bench
 #           and the enterprise prompts at T in BENCH_TS, then `elesium bench --heads $W` on MT-Bench, and
-#           the GPU tests in TESTS_K.
+#           the GPU tests in TESTS_K; PROFILE=1 also profiles one drafter-tree step (benchmarks/step_profile.py).
 set -uo pipefail
 CARRY=${CARRY:-/root/whl}
 source "$(dirname "$0")/device_model.sh"
@@ -57,6 +57,12 @@ case "$1" in
       for t in ${BENCH_TS:-0 0.7}; do
         bench "eagle_t${t}_mt_bench" ${BENCH_S:-100} tests/data/mt_bench_questions.jsonl --temperature "$t" --heads "$W"
       done
+    fi
+    if [ "${PROFILE:-0}" = 1 ]; then  # one drafter-tree step profiled (kernels by class; BENCHMARKS §6c's table)
+      echo "== step profile, the drafter tree ($(date -u +%T))" | tee -a "$S"
+      ELESIUM_CACHE_DIR=/root/cache_bench timeout ${PROFILE_S:-150} python3 -P benchmarks/step_profile.py --heads "$W" \
+        --runner graphs --out "$OUT/step_profile.json" >"$OUT/step_profile.log" 2>&1
+      echo "exit $?" | tee -a "$S"; grep -v "^\s*$" "$OUT/step_profile.log" | tail -30 | tee -a "$S"
     fi
     if [ -n "${TESTS_K:-}" ]; then
       echo "== pytest -m gpu tests/test_gpu.py -k '$TESTS_K' ($(date -u +%T))" | tee -a "$S"
