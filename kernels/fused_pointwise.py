@@ -68,11 +68,13 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, offset_ptr,
 
 def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, offset: int | torch.Tensor, num_heads: int,
-                      num_kv_heads: int) -> torch.Tensor:
+                      num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotated queries ``[B, Hq, N, D]``; rotated keys and values written at cache slots ``offset + i``.
 
     ``qkv``: ``[B, N, (Hq + 2 Hkv) D]`` (the fused projection, q then k then v); ``cos``/``sin``:
     ``[B, N, D]`` float32 (any view with those sizes and contiguous rows); caches ``[B, Hkv, S, D]``.
+    ``q_out``: where the queries go (a view with unit last stride, e.g. a slice of a larger buffer, in the
+    caches' dtype), saving the copy into it; returned.
     """
     b, n, width = qkv.shape
     d = k_cache.shape[-1]
@@ -81,7 +83,13 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
                          f"of {d}")
     cos = cos.reshape(b, n, d).float().contiguous()
     sin = sin.reshape(b, n, d).float().contiguous()
-    q = torch.empty((b, num_heads, n, d), dtype=qkv.dtype, device=qkv.device)
+    if q_out is None:
+        q = torch.empty((b, num_heads, n, d), dtype=qkv.dtype, device=qkv.device)
+    elif q_out.shape != (b, num_heads, n, d) or q_out.stride(-1) != 1 or q_out.dtype != k_cache.dtype:
+        raise ValueError(f"q_out {tuple(q_out.shape)} {q_out.dtype} is not a [B, Hq, N, D] view with unit "
+                         f"last stride in the caches' dtype {k_cache.dtype}")
+    else:
+        q = q_out
     if isinstance(offset, torch.Tensor):
         offset_ptr, offset_val, from_ptr = offset, 0, True
     else:

@@ -460,6 +460,41 @@ def test_topk_kernel_bf16_is_topk_of_log_softmax() -> None:
     torch.testing.assert_close(val, ref_val, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_drafter_tree_levels_equal_plain_levels_cuda(dtype: torch.dtype) -> None:
+    """The drafter tree's fused levels (one rope gather a step, queries written in place, fused norms)
+    against its plain levels on CUDA, as tests/test_invariant_kernels.py checks them through the
+    interpreter in fp32: the same tokens and parents (bf16 too, which the interpreter lacks), close
+    log-probabilities, and the same drafter-cache rows."""
+    from elesium.inference.drafters.attention_drafter import FeatureDrafter
+    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.runtime.config import ModelConfig
+    from elesium.inference.runtime.model import Transformer
+
+    torch.manual_seed(5)
+    config = ModelConfig(vocab_size=50, hidden_size=128, intermediate_size=96, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=64, max_position_embeddings=128)
+    model = Transformer(config).eval().requires_grad_(False).to("cuda", dtype)
+    drafter = FeatureDrafter.for_model(config)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    tree = DrafterTree(drafter, depth=5).eval().requires_grad_(False).to("cuda", dtype)
+    first = torch.randn(1, 128, device="cuda", dtype=dtype)
+    token, root = torch.tensor([7], device="cuda"), torch.tensor(20, device="cuda")
+    k, v = drafter.new_cache(64 + tree.scratch_slots, "cuda", dtype)
+    k.normal_(), v.normal_()
+    caches = [(k, v), (k.clone(), v.clone())]
+    with torch.inference_mode():
+        plain = tree.expand(model, first, token, 4, 3, caches[0], root, fused=False)
+        fused = tree.expand(model, first, token, 4, 3, caches[1], root, fused=True)
+    assert torch.equal(plain[0], fused[0]) and torch.equal(plain[2], fused[2])
+    torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=1e-4 if dtype == torch.float32 else 5e-2)
+    written = slice(21, 21 + 4 * 4)  # the level rows' slots: root + 1 ... past the last level's
+    torch.testing.assert_close(caches[1][0][:, :, written], caches[0][0][:, :, written],
+                               rtol=0, atol=1e-4 if dtype == torch.float32 else 5e-2)
+
+
 def test_drafter_tree_chain_equals_host_steps_and_vanilla(tmp_path, mt_bench_prompts) -> None:
     """An eagle drafter tree (drafters/drafter_tree.py: the attention drafter drafts every level through
     its cache's scratch rows) under CUDA graphs: the chained and host tree steps (both replay captured

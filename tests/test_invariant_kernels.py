@@ -275,6 +275,19 @@ def test_rope_qkv_to_cache_matches_reference(dtype: torch.dtype, offset_on_devic
     assert torch.equal(ours[1][:, :, offset:offset + n], ref[1][:, :, offset:offset + n])  # v is copied as is
     with pytest.raises(ValueError, match="does not hold"):
         rope_qkv_to_cache(qkv[..., :-1], cos_t[positions], sin_t[positions], *ours, off, hq, hkv)
+    # q_out: the queries written into a slice of a larger buffer (the drafter tree's level rows), the
+    # rows around it untouched, the same values as the allocated q and the caches written the same way.
+    buffer = torch.randn(b, hq, n + 9, d, generator=g).to(dtype)
+    before_buf, into = buffer.clone(), [c.clone() for c in caches]
+    got = rope_qkv_to_cache(qkv, cos_t[positions], sin_t[positions], *into, off, hq, hkv,
+                            q_out=buffer[:, :, 4:4 + n])
+    assert got.data_ptr() == buffer[:, :, 4:4 + n].data_ptr() and torch.equal(buffer[:, :, 4:4 + n], q)
+    assert torch.equal(buffer[:, :, :4], before_buf[:, :, :4]) and torch.equal(buffer[:, :, 4 + n:],
+                                                                               before_buf[:, :, 4 + n:])
+    assert all(torch.equal(a, c) for a, c in zip(into, ours, strict=True))
+    with pytest.raises(ValueError, match="unit last stride"):
+        rope_qkv_to_cache(qkv, cos_t[positions], sin_t[positions], *into, off, hq, hkv,
+                          q_out=buffer[:, :, 4:4 + n].transpose(-1, -2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -28,7 +28,7 @@ case "$1" in
   train)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     # A distillation file from an earlier session (DATA=path, carried) saves the ~6.5 minutes of distilling.
-    if [ -n "${DATA:-}" ] && [ -f "$DATA" ] && [ ! -f "$W/distill.jsonl.gz" ]; then mkdir -p "$W" && cp "$DATA" "$W/"; fi
+    if [ -n "${DATA:-}" ] && [ -f "$DATA" ] && [ ! -f "$W/distill.jsonl.gz" ]; then mkdir -p "$W" && cp "$DATA" "$W/distill.jsonl.gz"; fi
     resume=""; [ -f "$W/drafter_ckpt.pt" ] && resume="--resume"
     echo "start $(date -u +%FT%TZ): elesium $CMD $resume" | tee "$OUT/train.log"
     ELESIUM_CACHE_DIR=/root/cache_train $E $CMD $resume >"$OUT/train_full.log" 2>&1

@@ -124,9 +124,11 @@ class DrafterTree(nn.Module):
         scored = state = first.to(model.dtype)
         cum = torch.zeros(1, device=dev)
         parent = torch.full((1,), -1, dtype=torch.long, device=dev)
+        rope = self._level_rope(model, root, rows_total, width) if fused and rows_total else None
         all_tokens, all_logprobs, all_parents = [], [], []
         for k in range(depth):
-            logits = model.logits(scored)
+            # lm_head's own dtype: every top-k form reads it as float32 (model.logits would copy it first).
+            logits = model.lm_head(scored)
             top_tokens, top_values = level_candidates(logits, topk, topk_chunk, self.logit_scale)
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
@@ -139,9 +141,13 @@ class DrafterTree(nn.Module):
             if k > 0:  # a row sees what its parent (row lo - width + rows) sees
                 ancestors[lo:lo + n] = ancestors[lo - width + rows]
             ancestors[lo:lo + n] |= eye[lo:lo + n]
-            level = self._level_fused if fused else self._level
-            state = level(model, state[rows], top_tokens.flatten()[best], root, k, lo, k_cache, v_cache,
-                          queries, ancestors).to(model.dtype)
+            if rope is not None:
+                state = self._level_fused(model, state[rows], top_tokens.flatten()[best], root, lo, k_cache,
+                                          v_cache, queries, ancestors, rope)
+            else:
+                state = self._level(model, state[rows], top_tokens.flatten()[best], root, k, lo, k_cache,
+                                    v_cache, queries, ancestors)
+            state = state.to(model.dtype)
             scored, parent = state, best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
@@ -166,24 +172,35 @@ class DrafterTree(nn.Module):
         x = x + layer.attn.merge(out.to(x.dtype))
         return (x + layer.mlp(x))[0]
 
+    @staticmethod
+    def _level_rope(model: Transformer, root: int | torch.Tensor, rows: int,
+                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[rows, D]`` of every level row, gathered once a step: level ``k``'s ``width`` rows
+        (``k * width ...``) sit at position ``root + 1 + k``. Four launches a level fewer than gathering
+        each level's positions on its own, as ``_level`` does."""
+        dev = model.rope_cos.device
+        pos = torch.div(torch.arange(rows, device=dev), width, rounding_mode="floor") + (root + 1)
+        return model.rope_cos[pos], model.rope_sin[pos]
+
     def _level_fused(self, model: Transformer, state: torch.Tensor, tokens: torch.Tensor,
-                     root: int | torch.Tensor, k: int, lo: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     queries: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+                     root: int | torch.Tensor, lo: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     queries: torch.Tensor, ancestors: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``_level`` with the elementwise work in the fused kernels of ``runtime/fused.py``'s forward:
-        the norms (an add-and-norm from zero for the first), RoPE with the cache write, SwiGLU. About 20
-        launches a level instead of about 45, inside a graph that replays four levels a step."""
+        the norms, RoPE with the cache write (queries straight into ``queries``), SwiGLU; cos/sin from
+        ``_level_rope``. About 15 launches a level instead of about 45, inside a graph that replays
+        every level of a step."""
         from elesium.kernels.fused_pointwise import add_rms_norm, rope_qkv_to_cache, swiglu
+        from elesium.kernels.invariant_norm import invariant_rms_norm
 
         drafter = self.feature_drafter
         layer, c = drafter.layer, drafter.layer_config
         n = tokens.shape[0]
-        pos = (root + 1 + k) + torch.zeros(n, dtype=torch.long, device=tokens.device)
-        cos, sin = model.rope_cos[pos][None], model.rope_sin[pos][None]
+        cos, sin = rope[0][lo:lo + n][None], rope[1][lo:lo + n][None]
         x = drafter.inputs(model, state[None], tokens[None])
-        x, normed = add_rms_norm(torch.zeros_like(x), x, layer.attn_norm.weight, layer.attn_norm.eps)
-        q = rope_qkv_to_cache(layer.attn.wqkv(normed), cos, sin, k_cache, v_cache, root + 1 + lo,
-                              c.num_heads, c.num_kv_heads)
-        queries[:, :, lo:lo + n] = q.to(queries.dtype)
+        normed = invariant_rms_norm(x, layer.attn_norm.weight, layer.attn_norm.eps)
+        rope_qkv_to_cache(layer.attn.wqkv(normed), cos, sin, k_cache, v_cache, root + 1 + lo, c.num_heads,
+                          c.num_kv_heads, q_out=queries[:, :, lo:lo + n])
         out = tree_attention(queries, k_cache, v_cache, root + 1, ancestors)[:, :, lo:lo + n]
         attn = layer.attn.wo(out.transpose(1, 2).reshape(1, n, c.q_size).to(x.dtype))
         x, normed = add_rms_norm(x, attn, layer.mlp_norm.weight, layer.mlp_norm.eps)

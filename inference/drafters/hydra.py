@@ -148,8 +148,9 @@ class HydraHeads(nn.Module):
         for k in range(depth):
             out, state = self.advance(k, state, model.embed(tok))
             scored = first if k == 0 and first is not None else out
-            top_tokens, top_values = level_candidates(model.logits(scored.to(hidden.dtype)), topk, topk_chunk,
-                                                      self.logit_scale)
+            # lm_head's own dtype: every top-k form reads it as float32 (model.logits would copy it first).
+            logits = model.lm_head(scored.to(hidden.dtype))
+            top_tokens, top_values = level_candidates(logits, topk, topk_chunk, self.logit_scale)
             all_tokens.append(top_tokens)
             all_logprobs.append(top_values)
             all_parents.append(parent)
