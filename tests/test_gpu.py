@@ -489,10 +489,12 @@ def test_fused_drafter_tree_levels_equal_plain_levels_cuda(dtype: torch.dtype) -
         plain = tree.expand(model, first, token, 4, 3, caches[0], root, fused=False)
         fused = tree.expand(model, first, token, 4, 3, caches[1], root, fused=True)
     assert torch.equal(plain[0], fused[0]) and torch.equal(plain[2], fused[2])
-    torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=1e-4 if dtype == torch.float32 else 5e-2)
+    # fp32: the two paths round differently (fused norms and RoPE against torch's ops); the first
+    # device run measured 2.6e-5 relative on log-probabilities near -65.
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.0, "atol": 5e-2}
+    torch.testing.assert_close(fused[1], plain[1], **tol)
     written = slice(21, 21 + 4 * 4)  # the level rows' slots: root + 1 ... past the last level's
-    torch.testing.assert_close(caches[1][0][:, :, written], caches[0][0][:, :, written],
-                               rtol=0, atol=1e-4 if dtype == torch.float32 else 5e-2)
+    torch.testing.assert_close(caches[1][0][:, :, written], caches[0][0][:, :, written], **tol)
 
 
 def test_drafter_tree_chain_equals_host_steps_and_vanilla(tmp_path, mt_bench_prompts) -> None:
