@@ -28,11 +28,12 @@ from typing import Protocol
 import torch
 
 from elesium.config import Settings
-from elesium.errors import UserError
+from elesium.errors import SettingsError, UserError
 from elesium.inference.constraints import Constraint
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.vanilla import VanillaDecoder
+from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.files import HeadsMismatchError, default_heads_dir, load_heads
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.fifo_gate import FifoGate
@@ -160,7 +161,7 @@ class Engine:
     def load(cls, model: str | Path | None = None, *, device: str = "auto", dtype: str = "auto",
              heads: str | Path | None = "default", policy: TreePolicy | None = None,
              max_len: int | None = None, cuda_graphs: bool | None = None,
-             settings: Settings | None = None) -> Engine:
+             settings: Settings | None = None, draft_depth: int | None = None) -> Engine:
         """Load a model and, where they exist, its Medusa heads and tuning profile.
 
         Args:
@@ -169,6 +170,9 @@ class Engine:
                 (by sha256) and runs vanilla-only otherwise; a path must match or it raises;
                 None disables speculative decoding.
             policy: tree policy; None uses the tuned profile for this device, if any.
+            draft_depth: levels an eagle drafter tree drafts (``DrafterTree.set_depth``; None: its
+                manifest's); it changes the heads' sha256, so fingerprints record it and profiles tuned
+                at another depth do not apply.
         """
         settings = settings or Settings.from_env()
         set_tree_attention(settings.tree_attention)  # once per load, not per attention call
@@ -201,6 +205,16 @@ class Engine:
             heads_dir, heads_reason = str(Path(heads).expanduser()), "heads given (--heads)"
         else:
             heads_reason = "heads turned off (--heads none)"
+        if draft_depth is not None:
+            if not isinstance(medusa, DrafterTree):
+                have = "no draft heads are loaded" if medusa is None else f"these are {type(medusa).__name__}"
+                raise SettingsError("--draft-depth applies to an eagle drafter tree (heads kind 'eagle'); "
+                                    + have)
+            try:
+                medusa.set_depth(draft_depth)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+            heads_reason += f"; drafting {draft_depth} levels (--draft-depth)"
         speculate = True
         profile = None
         if policy is not None:

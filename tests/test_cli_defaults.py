@@ -142,3 +142,16 @@ def test_user_errors_are_one_line(capsys):
         assert dispatch(argparse.Namespace(handler=handler)) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("elesium: error: ") and str(exc).splitlines()[0] in err
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be from 1 to 16, got 0"), ("17", "must be from 1 to 16, got 17"),
+                                            ("deep", "must be an integer")])
+def test_draft_depth_out_of_range_is_a_usage_error_before_loading(capsys, tmp_path, value, message):
+    """``--draft-depth`` is checked when the flags are parsed: exit 2 with argparse's one error line, no
+    engine loaded."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--prompts", str(prompts), "--draft-depth", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument --draft-depth: {message}" in err.splitlines()[-1]

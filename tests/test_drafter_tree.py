@@ -226,3 +226,57 @@ def test_train_eagle_resumes_ships_and_scores_every_depth(tmp_path: Path):
     assert warm["eval"]["held_out_by_depth"]["as_stored"] == depths
     with pytest.raises(ValueError, match="cannot go with --drafter none"):
         train(cfg(tmp_path / "d", 1, drafter="none"), engine, log=quiet)
+
+
+@torch.inference_mode()
+def test_set_depth_drafts_more_levels_and_changes_the_heads_identity(fitted):
+    """``set_depth`` (``--draft-depth``): the same drafter drafts 6 levels instead of its 4, greedy output
+    stays vanilla's, and the heads' sha256 (what fingerprints and profiles key on) changes with the depth
+    and comes back with the manifest's."""
+    import copy
+
+    model, fitted_tree, want = fitted
+    tree = copy.deepcopy(fitted_tree)
+    tree.source_sha256 = "f" * 64
+    tree.set_depth(6)
+    assert tree.num_heads == 6 and tree.manifest_depth == 4 and tree.source_sha256 != "f" * 64
+    deeper = tree.source_sha256
+    runner = ForwardRunner(model, model.new_cache(128), tree)
+    assert runner.drafter_cache[0].shape[2] == 128 + 7 + tree.scratch_slots  # slack for 6 levels' rows
+    first = torch.randn(1, model.config.hidden_size)
+    tokens, _, parents = tree.expand(model, first, torch.tensor([3]), 4, 3, runner.drafter_cache, 20)
+    # rows drafted from, one per level's path: the root, 3 at level 2 (level 1 offers 3), 4 at levels 3-6
+    assert parents.numel() == 1 + 3 + 4 * 4 and tokens.shape == (parents.numel(), 3)
+    got, _ = _decode(model, tree, runner)
+    assert got == want
+    tree.set_depth(4)
+    assert tree.source_sha256 == "f" * 64
+    tree.set_depth(6)
+    assert tree.source_sha256 == deeper  # a function of the files and the depth, not of the history
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="from 1 to 16"):
+            tree.set_depth(bad)
+
+
+def test_engine_draft_depth_needs_a_drafter_tree_and_enters_the_fingerprint():
+    """``Engine.load(draft_depth=)`` on the bundled model: the shipped eagle drafter drafts 7 levels,
+    under a heads sha256 of its own (so the run fingerprint records it); without a drafter tree it is a
+    user error, not a silent no-op."""
+    from elesium.errors import SettingsError
+    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.drafters.files import default_heads_dir
+    from elesium.inference.engine import Engine
+
+    eagle = default_heads_dir().with_name("smollm2-135m-instruct-eagle")
+    with pytest.raises(SettingsError, match="eagle drafter tree.*no draft heads"):
+        Engine.load(device="cpu", dtype="float32", heads=None, draft_depth=7, max_len=256)
+    five = Engine.load(device="cpu", dtype="float32", heads=eagle, max_len=256)
+    seven = Engine.load(device="cpu", dtype="float32", heads=eagle, draft_depth=7, max_len=256)
+    assert isinstance(seven.heads, DrafterTree) and seven.heads.num_heads == 7 and five.heads.num_heads == 5
+    assert seven.fingerprint()["heads_sha256"] != five.fingerprint()["heads_sha256"]
+    assert "drafting 7 levels" in seven.describe()["heads_reason"]
+    ids = seven.encode_prompt("List the first twelve prime numbers, separated by commas.")
+    gen = seven.generate(ids, SamplingParams(max_tokens=32), mode="speculative")
+    depths, accepted = [s.tree_depth for s in gen.steps], [s.accepted_length for s in gen.steps]
+    assert gen.new_tokens == 32 and max(depths) == 7, depths
+    assert max(accepted) > 6, f"no step accepted a draft past level 5: {accepted}"

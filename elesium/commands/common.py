@@ -16,6 +16,7 @@ from elesium.config import (
     CPU_WEIGHTS,
     ENV_VARS,
     INVARIANT_NUMERICS,
+    MAX_DRAFT_DEPTH,
     TREE_ATTENTION,
     Settings,
 )
@@ -23,6 +24,17 @@ from elesium.config import (
 
 def _env(name: str) -> str:
     return "$" + ENV_VARS[name]
+
+
+def _draft_depth(text: str) -> int:
+    """``--draft-depth``'s value, checked before the engine loads (a bad one is a usage error)."""
+    try:
+        depth = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 1 <= depth <= MAX_DRAFT_DEPTH:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_DRAFT_DEPTH}, got {depth}")
+    return depth
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +49,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--heads", default=None,
                        help="draft heads directory (default: the shipped heads, when trained for this model; "
                        "'none': vanilla decoding only)")
+    group.add_argument("--draft-depth", type=_draft_depth, default=None, metavar="N",
+                       help="levels an eagle drafter tree drafts (default: its manifest's; deeper trees "
+                       "accept more tokens a step and cost more to draft, BENCHMARKS.md §2j)")
     group.add_argument("--cache-dir", default=None,
                        help=f"dequantized-weight cache and tuning profiles (default: {_env('cache_dir')}, "
                        "else ~/.cache/elesium)")
@@ -89,6 +104,7 @@ def load_engine(args: argparse.Namespace, **kwargs: Any):  # -> Engine (import k
 
     settings = settings_from_args(args)
     kwargs.setdefault("heads", heads_arg(args))
+    kwargs.setdefault("draft_depth", getattr(args, "draft_depth", None))
     return Engine.load(settings.model, device=settings.device, dtype=settings.dtype, settings=settings,
                        **kwargs)
 

@@ -21,11 +21,13 @@ their own ancestors. Shapes are static and nothing syncs, so CUDA graphs capture
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from elesium.config import MAX_DRAFT_DEPTH
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.top_logprobs import best_paths, level_candidates
 from elesium.inference.runtime.model import Transformer
@@ -34,6 +36,7 @@ from elesium.kernels.tree_attention import tree_attention
 MAX_WIDTH = 32
 """Most paths one level may keep: the drafter cache keeps ``(depth - 1) * MAX_WIDTH`` slots of slack past
 the context for the level rows."""
+
 
 
 class DrafterTree(nn.Module):
@@ -56,6 +59,22 @@ class DrafterTree(nn.Module):
             raise ValueError(f"need depth >= 1, got {depth}")
         self.drafter: FeatureDrafter | None = drafter
         self.num_heads = depth
+        self.manifest_depth = depth  # the depth its files name; set_depth may draft deeper or shallower
+        self._files_sha256 = ""
+
+    def set_depth(self, depth: int) -> None:
+        """Draft ``depth`` levels instead of the manifest's: one drafter runs at any depth (it feeds its
+        own features back). Call before the heads go to an engine (its runner sizes the drafter cache's
+        slack by the depth). ``source_sha256`` changes with the depth, so run fingerprints record it and a
+        tuning profile measured at another depth is not applied (BENCHMARKS §2j: 7 levels raise τ and
+        cost ~0.2 ms a step per level past the fifth)."""
+        if not isinstance(depth, int) or not 1 <= depth <= MAX_DRAFT_DEPTH:
+            raise ValueError(f"draft depth must be an integer from 1 to {MAX_DRAFT_DEPTH}, got {depth!r}")
+        if not self._files_sha256:
+            self._files_sha256 = self.source_sha256
+        self.num_heads = depth
+        self.source_sha256 = self._files_sha256 if depth == self.manifest_depth else hashlib.sha256(
+            f"{self._files_sha256}:depth={depth}".encode()).hexdigest()
 
     @property
     def feature_drafter(self) -> FeatureDrafter:
