@@ -144,7 +144,8 @@ def test_user_errors_are_one_line(capsys):
         assert err.count("\n") == 1 and err.startswith("elesium: error: ") and str(exc).splitlines()[0] in err
 
 
-@pytest.mark.parametrize("value, message", [("0", "must be from 1 to 16, got 0"), ("17", "must be from 1 to 16, got 17"),
+@pytest.mark.parametrize("value, message", [("0", "must be from 1 to 16, got 0"),
+                                            ("17", "must be from 1 to 16, got 17"),
                                             ("deep", "must be an integer")])
 def test_draft_depth_out_of_range_is_a_usage_error_before_loading(capsys, tmp_path, value, message):
     """``--draft-depth`` is checked when the flags are parsed: exit 2 with argparse's one error line, no
@@ -155,3 +156,22 @@ def test_draft_depth_out_of_range_is_a_usage_error_before_loading(capsys, tmp_pa
         main(["bench", "--prompts", str(prompts), "--draft-depth", value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"argument --draft-depth: {message}" in err.splitlines()[-1]
+
+
+def test_bench_writes_json_with_the_engine_it_measured_and_plots(tmp_path, capsys):
+    """``elesium bench`` end to end on the bundled model (one prompt, a few tokens): bench.json holds both
+    modes, the identical-output count and the engine it measured (heads sha256, so a --draft-depth run is
+    told apart; the tree policy), beside the PNG plots."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Name two colours."}\n')
+    out = tmp_path / "bench"
+    code = main(["bench", "--prompts", str(prompts), "--max-tokens", "6", "--mode", "speculative", "--out",
+                 str(out), "--device", "cpu", "--dtype", "float32"])
+    capsys.readouterr()
+    doc = json.loads((out / "bench.json").read_text())
+    assert code == 0 and doc["prompts"] == 1 and doc["identical_outputs"] in (0, 1)
+    assert doc["vanilla"]["tokens"] > 0 and doc["speculative"]["tokens"] > 0
+    engine = doc["engine"]
+    assert len(engine["heads_sha256"]) == 64 and engine["device"] == "cpu"
+    assert engine["policy"]["max_nodes"] >= 2
+    assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance.png").stat().st_size > 0

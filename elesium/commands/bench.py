@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     doc = run_bench(engine, prompts, params, mode, progress, vanilla_only=args.vanilla_only)
+    # What was measured: heads (and their depth, through the sha256), profile, numerics, step form.
+    doc["engine"] = engine.describe() | {"policy": {"max_nodes": engine.policy.max_nodes,
+                                                    "expand_width": engine.policy.expand_width,
+                                                    "topk": engine.policy.topk}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(doc, indent=1))
     write_plots(doc, args.out)
