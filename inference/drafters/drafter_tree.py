@@ -38,7 +38,6 @@ MAX_WIDTH = 32
 the context for the level rows."""
 
 
-
 class DrafterTree(nn.Module):
     """``depth`` draft levels, every one drafted by ``drafter`` (manifest kind ``eagle``)."""
 
