@@ -148,7 +148,9 @@ def call_llm(
         writer = None
 
     try:
-        stream = ctx.engine.stream(messages, sampling, mode=decode_mode, **extra)
+        # Tokenised once: the same ids decode and go to the acceptance log (train-heads --from-log).
+        prompt_ids = ctx.engine.encode_prompt(messages)
+        stream = ctx.engine.stream(prompt_ids, sampling, mode=decode_mode, **extra)
         for chunk in stream:
             if not chunk.text and not chunk.token_ids:
                 continue
@@ -191,7 +193,7 @@ def call_llm(
     if ctx.log is not None:
         # The prompt's ids beside the answer: ``train-heads --from-log`` distils from the pair.
         record_call(ctx.log, ctx.run_id, node, call_index, seed, gen,
-                    prompt_ids=ctx.engine.encode_prompt(messages), temperature=sampling.temperature)
+                    prompt_ids=prompt_ids, temperature=sampling.temperature)
     return LLMCall(
         node=node,
         call_index=call_index,
