@@ -72,3 +72,21 @@ def test_ties_keep_the_tree_prefix_closed() -> None:
     assert chosen.index(0) < chosen.index(2)  # candidate 2 (token 7) extends candidate 0 at the same score
     tree, drafted, _ = TreePolicy(max_nodes=4, cost=CostCurve.flat()).build_expanded(expansion)
     assert tree.parents == (-1, 0, 0, 1) and drafted == [5, 6, 7]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_read_back_is_the_three_read_backs(seed: int) -> None:
+    """``host_arrays``' one-transfer form (what a CUDA step uses) gives the three arrays exactly: token ids
+    up to the vocabulary's size, float32 log-probabilities (-inf included), parents with -1."""
+    from elesium.inference.decoding.expanded_tree import host_arrays
+
+    g = torch.Generator().manual_seed(seed)
+    rows, k = 1 + 4 * seed, 8
+    tokens = torch.randint(0, 49152, (rows, k), generator=g)
+    logprobs = torch.randn(rows, k, generator=g) * 7 - 3
+    logprobs[0, -1] = float("-inf")
+    parents = torch.randint(-1, rows * k, (rows,), generator=g)
+    plain = host_arrays(tokens, logprobs, parents, packed=False)
+    packed = host_arrays(tokens, logprobs, parents, packed=True)
+    for a, b in zip(plain, packed, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)

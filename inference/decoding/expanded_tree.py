@@ -68,8 +68,22 @@ class Expansion:
     @classmethod
     def from_device(cls, tokens: torch.Tensor, logprobs: torch.Tensor, parents: torch.Tensor, width: int,
                     temperature: float = 1.0) -> Expansion:
-        return cls.from_arrays(tokens.cpu().numpy(), logprobs.float().cpu().numpy(), parents.cpu().numpy(),
-                               width, temperature)
+        return cls.from_arrays(*host_arrays(tokens, logprobs, parents), width, temperature)
+
+
+def host_arrays(tokens: torch.Tensor, logprobs: torch.Tensor, parents: torch.Tensor,
+                packed: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The drafting's output as numpy (int64 tokens, float32 log-probabilities, int64 parents). From a GPU
+    (``packed``; None: when the tensors are on CUDA) in one read-back, not three (each a sync): packed as
+    float64, which holds token ids, parents and float32 values exactly."""
+    if not (tokens.is_cuda if packed is None else packed):
+        return tokens.cpu().numpy(), logprobs.float().cpu().numpy(), parents.cpu().numpy()
+    flat = [t.flatten().double() for t in (tokens, logprobs, parents)]
+    host = torch.cat(flat).cpu().numpy()
+    n, m = tokens.numel(), logprobs.numel()
+    return (host[:n].astype(np.int64).reshape(tokens.shape),
+            host[n:n + m].astype(np.float32).reshape(logprobs.shape),
+            host[n + m:].astype(np.int64).reshape(parents.shape))
 
 
 def best_candidates(expansion: Expansion, count: int) -> np.ndarray:
