@@ -66,7 +66,7 @@ def main() -> None:
     deep: dict[int, Engine] = {}
     for depth in (int(x) for x in args.depths.split(",") if x.strip()):
         if depth != new.heads.num_heads:
-            deep[depth] = with_depth(Engine.load(device=args.device, heads=args.heads), depth)
+            deep[depth] = Engine.load(device=args.device, heads=args.heads, draft_depth=depth)
     systems: dict[str, tuple[Engine, str, object]] = {
         "vanilla": (old, "vanilla", None), "shipped": (old, "speculative", old.policy)}
     if args.shipped_nodes is not None:
@@ -127,16 +127,6 @@ def main() -> None:
     summary["drafting_ms_per_step"] = drafting_cost(old, new, args.draft_repeats, plain, deep)
     args.out.write_text(json.dumps({"summary": summary, "prompts": out}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if not k.startswith("engine")}))
-
-
-def with_depth(engine, depth: int):
-    """``engine`` with its drafter tree drafting ``depth`` levels: the same drafter run deeper (or
-    shallower) than its manifest says; setting the heads again re-arms the runner (the drafter cache's
-    slack and every captured graph follow the depth)."""
-    heads = engine.heads
-    heads.num_heads = depth
-    engine.heads = heads
-    return engine
 
 
 def drafting_cost(old, new, repeats: int, plain=None, deep=None) -> dict[str, float]:

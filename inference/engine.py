@@ -28,12 +28,12 @@ from typing import Protocol
 import torch
 
 from elesium.config import Settings
-from elesium.errors import SettingsError, UserError
+from elesium.errors import UserError
 from elesium.inference.constraints import Constraint
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.vanilla import VanillaDecoder
-from elesium.inference.drafters.drafter_tree import DrafterTree
+from elesium.inference.drafters.drafter_tree import apply_draft_depth
 from elesium.inference.drafters.files import HeadsMismatchError, default_heads_dir, load_heads
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.fifo_gate import FifoGate
@@ -206,14 +206,7 @@ class Engine:
         else:
             heads_reason = "heads turned off (--heads none)"
         if draft_depth is not None:
-            if not isinstance(medusa, DrafterTree):
-                have = "no draft heads are loaded" if medusa is None else f"these are {type(medusa).__name__}"
-                raise SettingsError("--draft-depth applies to an eagle drafter tree (heads kind 'eagle'); "
-                                    + have)
-            try:
-                medusa.set_depth(draft_depth)
-            except ValueError as exc:
-                raise SettingsError(str(exc)) from None
+            apply_draft_depth(medusa, draft_depth)
             heads_reason += f"; drafting {draft_depth} levels (--draft-depth)"
         speculate = True
         profile = None

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from elesium.cli import CliError
-    from elesium.inference.drafters.drafter_tree import DrafterTree
+    from elesium.inference.drafters.drafter_tree import apply_draft_depth
     from elesium.inference.drafters.files import load_heads
     from elesium.inference.training.head_training import score_prompts
 
@@ -49,14 +49,7 @@ def run(args: argparse.Namespace) -> int:
     heads = load_heads(args.heads, base_sha256=engine.weights_info.sha256, device=engine.model.device,
                        dtype=engine.model.dtype)
     if args.draft_depth is not None:
-        if not isinstance(heads, DrafterTree):
-            where = args.heads or "the shipped heads' directory"
-            raise CliError(f"--draft-depth applies to an eagle drafter tree; {where} holds "
-                           f"{type(heads).__name__}")
-        try:
-            heads.set_depth(args.draft_depth)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
+        apply_draft_depth(heads, args.draft_depth)
     result = score_prompts(engine.model, engine.tokenizer, heads, prompts, args.max_tokens, args.batch_size)
     if args.tree:
         from elesium.inference.tuning.benchmark import drafter_acceptance

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from elesium.config import MAX_DRAFT_DEPTH
+from elesium.errors import SettingsError
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.top_logprobs import best_paths, level_candidates
 from elesium.inference.runtime.model import Transformer
@@ -223,3 +224,15 @@ class DrafterTree(nn.Module):
         attn = layer.attn.wo(out.transpose(1, 2).reshape(1, n, c.q_size).to(x.dtype))
         x, normed = add_rms_norm(x, attn, layer.mlp_norm.weight, layer.mlp_norm.eps)
         return (x + layer.w2(swiglu(layer.w13(normed))))[0]
+
+
+def apply_draft_depth(heads: object, depth: int) -> None:
+    """``--draft-depth`` on loaded heads (``Engine.load`` and ``eval-heads``): ``set_depth`` on a drafter
+    tree, a user error for anything else, which has no depth to change."""
+    if not isinstance(heads, DrafterTree):
+        have = "no draft heads are loaded" if heads is None else f"these are {type(heads).__name__}"
+        raise SettingsError("--draft-depth applies to an eagle drafter tree (heads kind 'eagle'); " + have)
+    try:
+        heads.set_depth(depth)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
