@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from elesium.errors import UserError
 
 COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker", "run",
-            "resume", "workflows", "serve", "replay")
+            "resume", "workflows", "serve", "replay", "fit_classifier", "eval")
 
 
 class CliError(UserError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.callbacks import CallbackManager
@@ -221,6 +221,8 @@ class LLMNode:
     mode: str | None = None
     system: str | None = None
     template_format: TemplateFormat = "f-string"
+    span_of: PromptSource | None = None
+    choices_of: Callable[[Mapping[str, Any]], Sequence[str]] | None = None
 
     @property
     def __name__(self) -> str:  # LangGraph names a node added without a name by it
@@ -230,6 +232,12 @@ class LLMNode:
         values = _state_mapping(state)
         call_index = int((values.get(CALLS_KEY) or {}).get(self.name, 0))
         prompt = render(self.prompt, values, self.template_format, node=self.name)
+        output = self.output
+        if self.span_of is not None:
+            source = render(self.span_of, values, self.template_format, node=self.name)
+            output = dataclasses.replace(output, source=source)
+        if self.choices_of is not None:
+            output = OutputSpec.of(list(self.choices_of(values)))
         call = call_llm(
             config,
             node=self.name,
@@ -237,7 +245,7 @@ class LLMNode:
             prompt=prompt,
             system=self.system,
             params=self.params,
-            output=self.output,
+            output=output,
             mode=self.mode,
         )
         return {self.output_key: call.value, CALLS_KEY: {self.name: 1}}
@@ -258,7 +266,24 @@ class LLMNode:
             "params": params,
             "output": self.output.describe(),
             "mode": self.mode,
+            **({"span_of": self.span_of if isinstance(self.span_of, str) else inspect.getsource(self.span_of)}
+               if self.span_of is not None else {}),
+            **({"choices_of": _source_or_repr(self.choices_of)} if self.choices_of is not None else {}),
         }
+
+
+def _source_or_repr(fn: Callable[..., Any]) -> str:
+    """A callable's source, with the values of the module-level names it reads (a lambda over a table of
+    options changes its node's fingerprint when the table changes)."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return repr(fn)
+    code = getattr(fn, "__code__", None)
+    names = code.co_names if code is not None else ()
+    values = {n: repr(fn.__globals__[n]) for n in names if n in getattr(fn, "__globals__", {})
+              and not callable(fn.__globals__[n]) and not inspect.ismodule(fn.__globals__[n])}
+    return source + (repr(sorted(values.items())) if values else "")
 
 
 def llm_node(
@@ -269,6 +294,9 @@ def llm_node(
     params: SamplingParams | Mapping[str, Any] | None = None,
     output: type[BaseModel] | Sequence[str] | None = None,
     regex: str | None = None,
+    span_of: PromptSource | None = None,
+    none: str | None = None,
+    choices_of: Callable[[Mapping[str, Any]], Sequence[str]] | None = None,
     mode: str | None = None,
     system: str | None = None,
     template_format: TemplateFormat = "f-string",
@@ -283,18 +311,31 @@ def llm_node(
         output: a pydantic model (the state gets its ``model_dump``), a list of choices (the state
             gets the option), or None for free text.
         regex: constrain free text to a regular expression instead.
+        span_of: a template rendered from the state: the answer is a run of its whole words, copied
+            (so an extraction is verbatim from the input by construction); ``none``, when given, is
+            the answer that means "not there" and writes None to the state.
+        choices_of: ``f(state) -> options``: a choice list that depends on the state (the options
+            that fit a ticket's category); the node's fingerprint holds the function's source and
+            the module-level tables it reads.
         mode: decode mode for this node (default: the run's, else the engine's).
         system: an optional system message.
     """
     if not name or not output_key:
         raise ValueError("llm_node needs a name and an output_key")
+    if sum(x is not None for x in (span_of, choices_of, output if output is not None else regex)) > 1:
+        raise ValueError("give one of output=/regex=, span_of= and choices_of=")
+    if none is not None and span_of is None:
+        raise ValueError("none= names the 'not there' answer of a span_of= node")
     return LLMNode(
         name=name,
         prompt=prompt,
         output_key=output_key,
         params=_coerce_params(params),
-        output=OutputSpec.of(output, regex),
+        output=(OutputSpec.span_of(none) if span_of is not None
+                else OutputSpec.of(["?"]) if choices_of is not None else OutputSpec.of(output, regex)),
         mode=mode,
         system=system,
         template_format=template_format,
+        span_of=span_of,
+        choices_of=choices_of,
     )

@@ -57,6 +57,10 @@ class OutputSpec:
     model: type[BaseModel] | None = None
     choices: tuple[str, ...] | None = None
     regex: str | None = None
+    span: bool = False
+    """A run of whole words copied from ``source`` (or ``none``): set per call by ``llm_node(span_of=)``."""
+    source: str | None = None
+    none: str | None = None
 
     @classmethod
     def of(cls, output: type[BaseModel] | Sequence[str] | None, regex: str | None = None) -> OutputSpec:
@@ -75,9 +79,13 @@ class OutputSpec:
             raise ValueError(f"output= choices repeat an option: {list(options)}")
         return cls(choices=options)
 
+    @classmethod
+    def span_of(cls, none: str | None) -> OutputSpec:
+        return cls(span=True, none=none)
+
     @property
     def free_text(self) -> bool:
-        return self.model is None and self.choices is None and self.regex is None
+        return self.model is None and self.choices is None and self.regex is None and not self.span
 
     def describe(self) -> dict[str, Any]:
         """A stable description for the workflow version hash."""
@@ -87,6 +95,8 @@ class OutputSpec:
             return {"choices": list(self.choices)}
         if self.regex is not None:
             return {"regex": self.regex}
+        if self.span:
+            return {"span_of_input": True, "none": self.none}
         return {"free_text": True}
 
     def constraint(self) -> Any:
@@ -99,6 +109,10 @@ class OutputSpec:
             return Constraint.json_schema(self.model)
         if self.choices is not None:
             return Constraint.choice(self.choices)
+        if self.span:
+            if not self.source or not self.source.strip():
+                raise StructuredOutputError("a span output needs the text it copies from (span_of)")
+            return Constraint.substring(self.source, none=self.none)
         return Constraint.regex(self.regex)  # type: ignore[arg-type]
 
     def grammar_fingerprint(self) -> str:
@@ -135,6 +149,15 @@ class OutputSpec:
             if constrained:
                 raise StructuredOutputError(f"constrained answer {text!r} is not one of {list(self.choices)}")
             return match_choice(text, self.choices)
+        if self.span:
+            answer = text.strip().rstrip(",;:").strip()
+            if self.none is not None and answer == self.none:
+                return None
+            if answer and self.source is not None and answer in self.source:
+                return answer
+            if constrained:
+                raise StructuredOutputError(f"constrained answer {text!r} is not a span of the input")
+            return None
         if self.regex is not None and constrained and re.fullmatch(self.regex, text) is None:
             raise StructuredOutputError(f"constrained answer {text!r} does not match {self.regex!r}")
         return text

@@ -110,6 +110,11 @@ class Constraint(ABC):
         """Output matches ``pattern`` in full (Rust ``regex`` syntax, as llguidance reads it)."""
         return RegexConstraint(pattern)
 
+    @staticmethod
+    def substring(text: str, *, none: str | None = None) -> SubstringConstraint:
+        """Output is a run of whole words copied from ``text`` (or exactly ``none``, when given)."""
+        return SubstringConstraint(text, none)
+
 
 class JsonSchemaConstraint(Constraint):
     """JSON valid under a schema; ``parse`` returns the pydantic instance when built from a model."""
@@ -176,6 +181,34 @@ class RegexConstraint(Constraint):
     @property
     def grammar(self) -> str:
         return self._grammar
+
+
+class SubstringConstraint(Constraint):
+    """A run of whole words of a given text, or a fixed "none" answer.
+
+    Why: extraction from a 135M model invents names ("Axelon") when it may write anything; under
+    this grammar it can only copy, so every answer is verbatim from the input by construction
+    (llguidance's ``substring_words`` lexeme: any contiguous sequence of the text's words).
+    """
+
+    kind = "substring"
+
+    def __init__(self, text: str, none: str | None = None) -> None:
+        if not isinstance(text, str) or not text.strip():
+            raise ConstraintError("substring takes a non-empty text")
+        self.text, self.none = text, none
+        lexeme = "%regex " + json.dumps({"substring_words": text}, ensure_ascii=False)
+        lark = f"start: {json.dumps(none, ensure_ascii=False)} | span\nspan: {lexeme}" if none else \
+            f"start: {lexeme}"
+        self._grammar = llg.LLMatcher.grammar_from_lark(lark)
+        self._validate()
+
+    @property
+    def grammar(self) -> str:
+        return self._grammar
+
+    def parse(self, text: str) -> Any:
+        return None if self.none is not None and text == self.none else text
 
 
 class GrammarState:

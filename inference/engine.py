@@ -397,6 +397,39 @@ class Engine:
                 pass
             return stream.result
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Raw ids of ``text`` (no chat template) and each token's character span: how span
+        extraction maps words of an input to their hidden states (``graphs/spans.py``)."""
+        return self.tokenizer.encode_with_offsets(text)
+
+    def hidden_states(self, prompt_ids: list[int], layers: Sequence[int]) -> torch.Tensor:
+        """The residual stream of ``prompt_ids`` after each of ``layers`` (0: the embeddings, i: block
+        i), float32 ``[len(layers), tokens, hidden]``.
+
+        Why: a closed-set question (a ticket's category) is answered more reliably by a linear probe
+        on the model's own representation of the input than by asking a 135M model to write the
+        answer (``graphs/classifier.py``). The forward runs on a KV cache of its own, so no
+        generation's cache is touched, and under the engine's gate like a generation. It is the
+        engine's plain forward (its configured weights, no compiled step): deterministic for a
+        given engine configuration, which is what replay needs.
+        """
+        n_layers = self.model.config.num_layers
+        if not layers or any(not 0 <= i <= n_layers for i in layers):
+            raise ValueError(f"layers must be in 0..{n_layers}, got {list(layers)}")
+        ids = self.encode_prompt(list(prompt_ids))
+        token = object()
+        self._gate.acquire(token)
+        try:
+            with torch.inference_mode():
+                cache = self.model.new_cache(len(ids))
+                tokens = torch.tensor([ids], device=self.model.device)
+                positions = torch.arange(len(ids), device=self.model.device)
+                collected: list[torch.Tensor] = []
+                self.model(tokens, positions, cache, 0, collect=collected)
+                return torch.stack([collected[i][0].float().cpu() for i in layers])
+        finally:
+            self._gate.release(token)
+
     @property
     def waiting(self) -> int:
         """Generations queued behind the one that holds the engine (for metrics and tests)."""

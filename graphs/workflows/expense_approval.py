@@ -1,10 +1,14 @@
-"""``expense-approval``: a deterministic policy gate, then an LLM rationale; approve or reject.
+"""``expense-approval``: a deterministic policy gate, an explanation that cites the rules; approve or reject.
 
 Whether an expense is reimbursable is policy, so code decides it: per-category limits in USD (fixed
 conversion table), accepted currencies, a description long enough to justify the spend, no alcohol on
-meals, and a cap above which finance must approve outside this flow. The model only writes the
-one-sentence rationale for the decision the rules reached, through a conditional edge to the
-approving or the rejecting prompt. ``reasons`` lists every rule that fired (or the limit met).
+meals, and a cap above which finance must approve outside this flow. Every rule has an id
+(``RULES``); ``rules`` lists the ids that fired and ``reasons`` their sentences (or the limit met).
+
+The explanation is built from the rules' own sentences, so it always cites the rule that decided
+(a model asked to explain a rejection wrote plausible sentences that cited none). The model's part
+is the one thing rules cannot do: name what the money was for, copied from the claim's description
+under a grammar that only admits the description's own words.
 """
 
 from __future__ import annotations
@@ -52,42 +56,56 @@ class ExpenseState(WorkflowState, total=False):
     description: str
     amount_usd: float | None
     limit_usd: float | None
+    rules: list[str]
     violations: list[str]
     decision: str
+    purpose: str | None
     rationale: str
     reasons: list[str]
 
 
-def check_policy(claim: dict[str, Any]) -> tuple[float | None, float | None, list[str]]:
-    """(amount in USD, the category's limit in USD, violated rules), each rule a sentence."""
-    violations: list[str] = []
+RULES = {
+    "currency": "is not a reimbursable currency",
+    "category": "is not a category in the policy",
+    "cap": "is above the cap for this flow",
+    "limit": "exceeds the limit for",
+    "description": "the description needs at least",
+    "alcohol": "alcohol is not reimbursable",
+}
+"""Each rule's id and the phrase its sentence always contains (what ``cites`` looks for)."""
+
+
+def cites(rationale: str, rule: str) -> bool:
+    """Whether an explanation cites ``rule`` (an id of ``RULES``)."""
+    return RULES[rule] in rationale
+
+
+def check_policy(claim: dict[str, Any]) -> tuple[float | None, float | None, list[tuple[str, str]]]:
+    """(amount in USD, the category's limit in USD, violated rules as (id, sentence) pairs)."""
+    violations: list[tuple[str, str]] = []
     currency = str(claim["currency"]).upper()
     category = str(claim["category"]).strip().lower()
     rate = USD_PER_UNIT.get(currency)
     amount_usd = round(float(claim["amount"]) * rate, 2) if rate is not None else None
     limit = LIMITS_USD.get(category)
     if rate is None:
-        violations.append(
-            f"currency {currency} is not reimbursable (accepted: {', '.join(sorted(USD_PER_UNIT))})"
-        )
+        violations.append(("currency", f"{currency} {RULES['currency']} (accepted: "
+                                       f"{', '.join(sorted(USD_PER_UNIT))})"))
     if limit is None:
-        violations.append(
-            f"category {category!r} is not in the policy (allowed: {', '.join(sorted(LIMITS_USD))})"
-        )
+        violations.append(("category", f"{category!r} {RULES['category']} (allowed: "
+                                       f"{', '.join(sorted(LIMITS_USD))})"))
     if amount_usd is not None and amount_usd > HARD_CAP_USD:
-        violations.append(
-            f"{amount_usd:.2f} USD is above the {HARD_CAP_USD:.0f} USD cap for this flow; "
-            "finance must approve it"
-        )
+        violations.append(("cap", f"{amount_usd:.2f} USD {RULES['cap']} ({HARD_CAP_USD:.0f} USD); "
+                                  "finance must approve it"))
     elif amount_usd is not None and limit is not None and amount_usd > limit:
-        violations.append(f"{amount_usd:.2f} USD exceeds the {category} limit of {limit:.0f} USD")
+        violations.append(("limit", f"{amount_usd:.2f} USD {RULES['limit']} {category} "
+                                    f"({limit:.0f} USD)"))
     description = str(claim["description"]).lower()
     if len(description.split()) < MIN_DESCRIPTION_WORDS:
-        violations.append(
-            f"the description needs at least {MIN_DESCRIPTION_WORDS} words to justify the expense"
-        )
+        violations.append(("description", f"{RULES['description']} {MIN_DESCRIPTION_WORDS} words to "
+                                          "justify the expense"))
     if category == "meals" and any(word in description for word in ALCOHOL):
-        violations.append("alcohol is not reimbursable")
+        violations.append(("alcohol", f"{RULES['alcohol']} on meals"))
     return amount_usd, limit, violations
 
 
@@ -97,59 +115,45 @@ def policy(state: ExpenseState) -> dict[str, Any]:
     return {
         "amount_usd": amount_usd,
         "limit_usd": limit,
-        "violations": violations,
+        "rules": sorted(rule for rule, _ in violations),
+        "violations": [sentence for _, sentence in violations],
         "decision": "reject" if violations else "approve",
     }
 
 
-def next_after_policy(state: ExpenseState) -> str:
-    return "explain_approval" if state["decision"] == "approve" else "explain_rejection"
-
-
-CLAIM = "Expense claim by {employee}: {amount} {currency} for {category}: {description}\n"
-explain_approval = llm_node(
-    "explain_approval",
-    output_key="rationale",
-    params={"max_tokens": 40, "stop": ["\n"]},
-    prompt=CLAIM + "It is within the {category} limit of {limit_usd} USD and is approved. "
-    "Explain the approval in one sentence.",
-)
-explain_rejection = llm_node(
-    "explain_rejection",
-    output_key="rationale",
-    params={"max_tokens": 40, "stop": ["\n"]},
-    prompt=lambda s: (
-        CLAIM.format(**s)
-        + "The policy rejects it: "
-        + "; ".join(s["violations"])
-        + ". Write one sentence to {employee} explaining why the claim is rejected.".format(**s)
-    ),
+purpose = llm_node(
+    "purpose",
+    output_key="purpose",
+    span_of="{description}",
+    none="none",
+    params={"max_tokens": 16},
+    prompt="Expense claim: {amount} {currency}, {category}.\nDescription: {description}\n"
+    "Copy the words of the description that say what was bought or paid for:",
 )
 
 
-def finalise(state: ExpenseState) -> dict[str, Any]:
+def explain(state: ExpenseState) -> dict[str, Any]:
+    """The explanation and the reasons, from the rules that decided."""
+    what = state.get("purpose") or state["description"].strip()
+    claim = f"The {state['amount']:g} {state['currency'].upper()} claim for \"{what}\""
     if state["decision"] == "approve":
-        within = (
-            f"{state['amount_usd']:.2f} USD is within the {state['category'].strip().lower()} limit of "
-            f"{state['limit_usd']:.0f} USD"
-        )
+        within = (f"{state['amount_usd']:.2f} USD is within the {state['category'].strip().lower()} "
+                  f"limit of {state['limit_usd']:.0f} USD")
         reasons = [within, "the description justifies the expense"]
-    else:
-        reasons = list(state["violations"])
-    return {"reasons": reasons}
+        return {"rationale": f"{claim} is approved: {within}.", "reasons": reasons}
+    reasons = list(state["violations"])
+    return {"rationale": f"{claim} is rejected: {'; '.join(reasons)}.", "reasons": reasons}
 
 
 def build() -> StateGraph:
     builder = StateGraph(ExpenseState)
     builder.add_node("policy", policy)
-    builder.add_node(explain_approval)
-    builder.add_node(explain_rejection)
-    builder.add_node("finalise", finalise)
+    builder.add_node(purpose)
+    builder.add_node("explain", explain)
     builder.add_edge(START, "policy")
-    builder.add_conditional_edges("policy", next_after_policy, ["explain_approval", "explain_rejection"])
-    builder.add_edge("explain_approval", "finalise")
-    builder.add_edge("explain_rejection", "finalise")
-    builder.add_edge("finalise", END)
+    builder.add_edge("policy", "purpose")
+    builder.add_edge("purpose", "explain")
+    builder.add_edge("explain", END)
     return builder
 
 
@@ -159,5 +163,5 @@ def workflow() -> Workflow:
         build,
         ExpenseInput,
         description="Check an expense claim against the policy rules and explain the "
-        "approve/reject decision.",
+        "approve/reject decision, citing the rules.",
     )

@@ -235,7 +235,8 @@ class Transformer(nn.Module):
         return self._causal[key]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, offset: Offset,
-                ancestors: torch.Tensor | None = None, kv_valid: torch.Tensor | None = None) -> torch.Tensor:
+                ancestors: torch.Tensor | None = None, kv_valid: torch.Tensor | None = None,
+                collect: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Run N new tokens through the model; return final-norm hidden states ``[B, N, hidden]``.
 
         Args:
@@ -249,13 +250,15 @@ class Transformer(nn.Module):
                 included). ``None`` means causal.
             kv_valid: ``[B, max_len]`` bool marking real (non-padding) slots for batched prompts of
                 different lengths; ``None`` when every slot is real.
+            collect: a list that receives every block's output (the residual stream, ``[B, N, hidden]``
+                each, embeddings first): what probes on hidden states read (``Engine.hidden_states``).
         """
         n = tokens.shape[1]
         if isinstance(offset, int) and offset + n > cache.max_len:
             raise ValueError(f"{offset + n} tokens do not fit the KV cache of {cache.max_len}")
         if ancestors is None:
             ancestors = self.causal(n)
-        if self.fused_pointwise and kv_valid is None and tokens.is_cuda:
+        if self.fused_pointwise and kv_valid is None and tokens.is_cuda and collect is None:
             from elesium.inference.runtime.fused import fused_forward
 
             return fused_forward(self, tokens, positions, cache, offset, ancestors)
@@ -263,8 +266,12 @@ class Transformer(nn.Module):
         cos = self.rope_cos[pos][:, None]
         sin = self.rope_sin[pos][:, None]
         x = self.embed(tokens)
+        if collect is not None:
+            collect.append(x)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], offset, ancestors, kv_valid)
+            if collect is not None:
+                collect.append(x)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

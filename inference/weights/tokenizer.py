@@ -64,6 +64,12 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` (no special tokens) and each token's character span in it: what maps a
+        span of the text to the hidden states of its tokens (``graphs/spans.py``)."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
