@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import tokenize
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, TypedDict
 
@@ -277,8 +278,9 @@ def _source_or_repr(fn: Callable[..., Any]) -> str:
     options changes its node's fingerprint when the table changes)."""
     try:
         source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return repr(fn)
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):  # no or unreadable source: bytecode
+        code = getattr(fn, "__code__", None)
+        source = repr(fn) if code is None else f"{code.co_code.hex()} {code.co_consts!r} {code.co_names!r}"
     code = getattr(fn, "__code__", None)
     names = code.co_names if code is not None else ()
     values = {n: repr(fn.__globals__[n]) for n in names if n in getattr(fn, "__globals__", {})

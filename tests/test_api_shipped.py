@@ -50,10 +50,10 @@ def test_ticket_triage_interrupt_resume_and_replay(sdk):
     runs = sdk.runs.list(tid)
     entries = list(sdk.acceptance_entries(tid, runs[-1]["run_id"], page=7))
     nodes = {e["node_id"] for e in entries}
-    assert nodes == {"classify_category", "classify_priority", "extract", "draft_reply"}
+    assert nodes == {"choose_opening"}  # the one decoding call; probes and pointers decode nothing
     report = sdk.replay(tid, runs[0]["run_id"])
     assert report["verdict"] == "identical", report["divergence"]
-    assert len(report["runs_replayed"]) == 2 and report["calls_compared"] == 4
+    assert len(report["runs_replayed"]) == 2 and report["calls_compared"] == 1
     assert sdk.replay(tid, runs[0]["run_id"], mode="recorded")["verdict"] == "identical"
     assert [r["mode"] for r in sdk.replays(tid, runs[0]["run_id"])] == ["reexecute", "recorded"]
 

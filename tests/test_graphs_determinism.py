@@ -1,8 +1,9 @@
 """Determinism: same workflow version, input and seed -> same states, tokens and acceptance records.
 
 Twice in this process, then once more in a fresh ``elesium`` process (``run`` then ``resume``), on the
-default CPU configuration. ``ticket-triage`` is the subject: it has constrained choices, a JSON
-extraction, a sampled draft (temperature 0.6, so the derived seeds matter) and an interrupt.
+default CPU configuration. ``ticket-triage`` is the subject: it has classifier probes and span
+pointers on the engine's hidden states, a sampled choice under a grammar (the reply's opening, at
+temperature 0.7, so the derived seeds matter) and an interrupt.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_same_seed_same_run_here_and_in_a_fresh_process(engine, redis_url: str, 
     first = run_in_process(runner)
     second = run_in_process(runner)
     assert first == second
-    assert len(first["calls"]) == 4 and all(tokens for *_, tokens in first["calls"])
+    assert len(first["calls"]) == 1 and all(tokens for *_, tokens in first["calls"])
     assert (
         first["final"]["outcome"] == "sent"
         and first["final"]["final_reply"] == first["at_interrupt"]["draft"]

@@ -23,20 +23,26 @@ def example_code() -> str:
 
 
 def test_readme_workflow_example_runs(
-    engine, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    engine, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     # The example calls Engine.load(); the suite loads the model once per session, so hand it that engine.
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
     monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.chdir(tmp_path)  # the example fits its probe into the working directory
     namespace: dict = {"__name__": "readme_example"}
     exec(compile(example_code(), str(README), "exec"), namespace)  # noqa: S102 - the documented example itself
 
-    result = namespace["result"]
-    assert result.status == "succeeded" and len(result.workflow_version) == 16
-    assert result.state["sentiment"] in ("positive", "negative") and result.state["reply"].strip()
-    # The streamed graph run used the same run seed, so it printed the same tokens the runner decoded.
+    results = namespace["results"]
+    assert (tmp_path / "review-sentiment.json").exists()
+    assert all(r.status == "succeeded" and len(r.workflow_version) == 16 for r in results)
+    # The example's own reviews, classified as a reader would.
+    assert [r.state["sentiment"] for r in results] == ["positive", "positive", "negative", "negative"]
+    for r in results:
+        assert r.state["reply"] in namespace["REPLIES"][r.state["sentiment"]]
+    # The streamed graph run used the same run seed, so it printed the tokens the runner decoded.
     streamed = capsys.readouterr().out
-    assert streamed.startswith(result.state["sentiment"] + result.state["reply"])
-    record = RunRegistry.from_url(redis_url).get(result.run_id)
+    assert streamed.startswith(results[0].state["reply"])
+    record = RunRegistry.from_url(redis_url).get(results[0].run_id)
     assert record.status == RunStatus.SUCCEEDED and record.workflow == "review-reply"
-    assert record.input == {"product": "kettle", "text": "Boils fast and looks great."}
+    assert record.input == {"product": "kettle", "text": "I love it, best kettle ever!"}

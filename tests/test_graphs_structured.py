@@ -1,9 +1,10 @@
-"""Every structured node of the shipped workflows parses on 30 varied inputs, adversarial ones included.
+"""Every structured node of the shipped workflows answers in shape on 30 varied inputs, adversarial ones
+included.
 
-Grammar-constrained decoding (C3) is what makes a 135M model's structured answers parse: each choice
-node must return one of its options and the JSON node a valid ``TicketFields``, whatever the input
-throws at the prompt (quotes, braces, JSON look-alikes, prompt injections, non-English text, emoji).
-The nodes run exactly as in their workflows, called directly on a state (no checkpointer needed).
+Probes answer one of their labels, span pointers a verbatim span of the input (or None), and choices
+decoded under a grammar one of their options, whatever the input throws at them (quotes, braces, JSON
+look-alikes, prompt injections, non-English text, emoji). The nodes run exactly as in their
+workflows, called directly on a state (no checkpointer needed).
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def structured(engine) -> Any:
 
 def call(node: Any, state: dict[str, Any], engine: Any, i: int) -> Any:
     out = node(state, run_config(engine, run_seed=i, run_id=f"structured-{node.name}-{i}"))
-    assert out["llm_calls"] == {node.name: 1}
+    if hasattr(node, "params"):  # an LLM node counts its call
+        assert out["llm_calls"] == {node.name: 1}
     return out[node.output_key]
 
 
-def test_ticket_choice_nodes_always_answer_an_option(structured) -> None:
+def test_ticket_probes_always_answer_a_label(structured) -> None:
     categories, priorities = [], []
     for i, (subject, body) in enumerate(TEXTS):
         state = {"subject": subject, "body": body}
@@ -75,19 +77,30 @@ def test_ticket_choice_nodes_always_answer_an_option(structured) -> None:
         priorities.append(call(ticket_triage.classify_priority, state, structured, i))
     assert set(categories) <= set(ticket_triage.CATEGORIES) and len(categories) == 30
     assert set(priorities) <= set(ticket_triage.PRIORITIES) and len(priorities) == 30
-    assert len(set(categories)) >= 2  # the answer depends on the ticket
+    assert len(set(categories)) >= 4 and len(set(priorities)) >= 3  # the answer depends on the ticket
 
 
-def test_ticket_extraction_always_parses(structured) -> None:
+def test_ticket_extraction_is_always_verbatim(structured) -> None:
+    found = 0
     for i, (subject, body) in enumerate(TEXTS):
-        fields = call(ticket_triage.extract, {"subject": subject, "body": body}, structured, i)
-        parsed = ticket_triage.TicketFields.model_validate(fields)  # the node already parsed it; re-check
-        assert parsed.model_dump() == fields
+        state = {"subject": subject, "body": body}
+        for node in (ticket_triage.extract_product, ticket_triage.extract_problem):
+            span = call(node, state, structured, i)
+            assert span is None or (span.strip() and span in f"{subject}\n{body}"), (node.name, span)
+            found += span is not None
+    assert found >= 30  # every ticket states a problem; most name no product
 
 
-def test_incident_severity_always_answers_an_option(structured) -> None:
-    answers = [
-        call(incident_summary.classify_severity, {"service": subject, "summary": body}, structured, i)
-        for i, (subject, body) in enumerate(TEXTS)
-    ]
-    assert set(answers) <= set(incident_summary.SEVERITIES) and len(answers) == 30
+def test_ticket_opening_is_always_an_option(structured) -> None:
+    for i, (subject, body) in enumerate(TEXTS[:12]):
+        category = ticket_triage.CATEGORIES[i % len(ticket_triage.CATEGORIES)]
+        state = {"subject": subject, "body": body, "category": category}
+        assert call(ticket_triage.choose_opening, state, structured, i) in ticket_triage.OPENINGS[category]
+
+
+def test_incident_severity_and_action_always_answer_an_option(structured) -> None:
+    for i, (subject, body) in enumerate(TEXTS[:12]):
+        logs = f"10:00:01 ERROR [{subject[:20]}] {body}\n10:00:02 WARN retrying"
+        state = {"service": "svc", "logs": logs, "affected_service": "svc", "top_error": body}
+        assert call(incident_summary.classify_severity, state, structured, i) in incident_summary.SEVERITIES
+        assert call(incident_summary.choose_action, state, structured, i) in incident_summary.RUNBOOK

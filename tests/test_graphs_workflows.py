@@ -82,7 +82,9 @@ def test_triage_stops_for_approval_with_a_routed_draft(triage: dict[str, Any]) -
     (interrupt,) = started.interrupt
     assert interrupt["value"]["draft"] == state["draft"] and interrupt["value"]["checks"] == state["checks"]
     assert interrupt["value"]["priority"] == state["priority"]
-    assert state["llm_calls"] == {"extract_product": 1, "extract_problem": 1}
+    assert state["opening"] in ticket_triage.OPENINGS[state["category"]]
+    assert state["opening"] in state["draft"]
+    assert state["llm_calls"] == {"choose_opening": 1}
 
 
 def test_triage_run_record_and_audit_trail(triage: dict[str, Any], engine) -> None:
@@ -99,7 +101,7 @@ def test_triage_run_record_and_audit_trail(triage: dict[str, Any], engine) -> No
     assert record.engine["model_sha256"] == engine.weights_info.sha256
     assert record.engine["device"] == "cpu" and record.engine["dtype"] == "float32"
     calls = [e for e in runner.log.read(started.run_id) if e.kind == "call"]
-    assert [(e.node_id, e.call_index) for e in calls] == [("extract_product", 0), ("extract_problem", 0)]
+    assert [(e.node_id, e.call_index) for e in calls] == [("choose_opening", 0)]
     for e in calls:
         assert e.call_seed == derive_seed(5, e.node_id, 0) and e.tokens
         steps = [s for s in runner.log.read(started.run_id) if s.kind == "step" and s.node_id == e.node_id]
@@ -107,7 +109,7 @@ def test_triage_run_record_and_audit_trail(triage: dict[str, Any], engine) -> No
         committed = [e.record.tokens[0], *[t for s in steps for t in s.record.tokens]]
         assert list(e.tokens) == committed[: len(e.tokens)]
         assert all(s.call_index == 0 and s.call_seed == e.call_seed for s in steps)
-    assert started.acceptance["calls"] == 2 and started.acceptance["nodes"]["extract_problem"]["calls"] == 1
+    assert started.acceptance["calls"] == 1 and started.acceptance["nodes"]["choose_opening"]["calls"] == 1
 
 
 def test_triage_resume_finishes_and_cannot_repeat(triage: dict[str, Any]) -> None:
@@ -115,7 +117,7 @@ def test_triage_resume_finishes_and_cannot_repeat(triage: dict[str, Any]) -> Non
     assert finished.status == "succeeded" and finished.interrupt is None
     assert finished.state["outcome"] == "sent" and finished.state["final_reply"] == "We are on it. -- Support"
     assert finished.state["approval"]["approved"] is True
-    assert finished.acceptance["calls"] == 2  # resuming re-ran no LLM call
+    assert finished.acceptance["calls"] == 1  # resuming re-ran no LLM call
     assert runner.runs.get(finished.run_id).status == RunStatus.SUCCEEDED
     with pytest.raises(RunStateError, match="succeeded"):
         runner.resume(finished.run_id, {"approved": True})
@@ -151,7 +153,7 @@ def test_triage_finalise_holds_a_rejected_reply() -> None:
                 "description": "Dinner and wine for the team",
             },
             "reject",
-            "exceeds the meals limit of 75 USD",
+            "exceeds the limit for meals (75 USD)",
         ),
     ],
 )

@@ -120,7 +120,14 @@ def run(args: argparse.Namespace) -> int:
             f"\napproval requested: {interrupt.get('question')} (category {interrupt.get('category')}, "
             f"priority {interrupt.get('priority')}, team {interrupt.get('team')})"
         )
-        decision = {"approved": not args.reject, "reviewer": "demo reviewer"}
+        draft = str(interrupt.get("draft", ""))
+        print("\ndraft reply:\n" + "\n".join(f"  | {line}" for line in draft.splitlines()))
+        checks = interrupt.get("checks") or {}
+        failed = [name for name, ok in checks.items() if not ok]
+        print(f"reviewer's checks: {len(checks) - len(failed)}/{len(checks)} passed"
+              + (f" (failed: {', '.join(failed)})" if failed else ""))
+        # The demo's reviewer sends only a draft that passes every check (and never with --reject).
+        decision = {"approved": not args.reject and bool(checks) and not failed, "reviewer": "demo reviewer"}
         print(f"answering: {json.dumps(decision)}")
         result = client.runs.wait(tid, assistant["assistant_id"], command={"resume": decision})
         runs = client.runs.list(tid)  # newest first: the resume, then the first run

@@ -12,12 +12,9 @@ runbook step from a fixed list, under a grammar.
 
 from __future__ import annotations
 
-import json
-import re
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from langgraph.graph import END, START, StateGraph
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,29 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from elesium.graphs.classifier import classifier_node
 from elesium.graphs.llm import WorkflowState, llm_node
 from elesium.graphs.registry import Workflow
+from elesium.graphs.workflows.log_reading import (  # noqa: F401 (re-exported: callers read them from here)
+    LogLine,
+    error_kind,
+    log_signals,
+    parse_line,
+)
 
 SEVERITIES = ("SEV1", "SEV2", "SEV3", "SEV4")
 PROBES = Path(__file__).resolve().parent / "probes"
 EXCERPT_CHARS = 700
 MAX_ITEMS = 4
-_LEVEL = re.compile(r"(?i)(?<![\w-])(FATAL|CRITICAL|CRIT|PANIC|EMERG|ERROR|ERR|E|WARN(?:ING)?|W)(?![\w-])")
-_LEVEL_WORDS = {"fatal": "FATAL", "critical": "FATAL", "crit": "FATAL", "panic": "FATAL", "emerg": "FATAL",
-                "error": "ERROR", "err": "ERROR", "e": "ERROR", "warn": "WARN", "warning": "WARN",
-                "w": "WARN"}
-_TIMESTAMP = re.compile(
-    r"^\s*(?:\[?\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?"
-    r"|[A-Z][a-z]{2}\s+\d{1,2}\s+\d{2}:\d{2}:\d{2}|\d{2}:\d{2}:\d{2}(?:[.,]\d+)?)\s*"
-)
-_LOGFMT = re.compile(r'(\w[\w.]*)=("(?:[^"\\]|\\.)*"|\S*)')
-_SYSLOG_APP = re.compile(r"^(?:\S+\s+)?([A-Za-z][\w.-]*)(?:\[\d+\])?:\s")
-_TAG = re.compile(r"^(?:\[([A-Za-z][\w.-]*)\]|([a-z][\w.-]*(?:-[\w.]+)+|[a-z][\w.]*):)\s+")
-_HTTP_5XX = re.compile(r'"\s(5\d\d)\s|\b(?:HTTP|status|code)[=: /]*\s*(5\d\d)\b|\b(5\d\d)\s+(?:Bad Gateway|'
-                       r"Service Unavailable|Gateway Time-?out|Internal Server Error)", re.IGNORECASE)
-_VARYING = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b|\b0x[0-9a-f]+\b"
-                      r"|\b(?=[a-z]*\d)[0-9a-z]{6,}\b|\d+", re.IGNORECASE)
-_SERVICE_KEYS = ("service", "svc", "app", "component", "logger", "source", "container")
-_MESSAGE_KEYS = ("msg", "message", "error", "err", "event")
-_LEVEL_KEYS = ("level", "lvl", "severity", "loglevel")
 
 
 class IncidentInput(BaseModel):
@@ -72,90 +57,6 @@ class IncidentState(WorkflowState, total=False):
     severity: str
     action: str
     action_items: list[str]
-
-
-class LogLine(NamedTuple):
-    level: str  # FATAL, ERROR, WARN or INFO
-    service: str | None
-    message: str
-
-
-def parse_line(line: str) -> LogLine:
-    """Level, emitting service and message of one log line, in the formats SREs paste: JSON lines,
-    logfmt, ``<time> LEVEL [service] message``, ``LEVEL service: message`` and syslog."""
-    text = line.strip()
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict):
-            return _from_fields({str(k).lower(): v for k, v in obj.items()}, text)
-    pairs = dict((k.lower(), v.strip('"')) for k, v in _LOGFMT.findall(text))
-    if len(pairs) >= 2 and any(k in pairs for k in _LEVEL_KEYS) and any(k in pairs for k in _MESSAGE_KEYS):
-        return _from_fields(pairs, text)
-    rest = _TIMESTAMP.sub("", text, count=1)
-    service = None
-    app = _SYSLOG_APP.match(rest) if not _LEVEL.match(rest) else None
-    if app is not None:  # syslog: "host app[pid]: message"
-        service, rest = app.group(1), rest[app.end():]
-    m = _LEVEL.match(rest) or _LEVEL.search(rest[:40])
-    level = _LEVEL_WORDS[m.group(1).lower()] if m else "INFO"
-    if m and (len(m.group(1)) > 1 or m.start() == 0):
-        rest = rest[m.end():].lstrip(" :|-")
-    else:
-        level = "INFO" if m and len(m.group(1)) == 1 else level
-    tag = _TAG.match(rest)
-    if tag is not None:
-        service, rest = tag.group(1) or tag.group(2), rest[tag.end():]
-    return LogLine(level, service, rest.strip())
-
-
-def _from_fields(fields: dict[str, Any], text: str) -> LogLine:
-    level_value = next((str(fields[k]) for k in _LEVEL_KEYS if k in fields), "info").lower()
-    level = _LEVEL_WORDS.get(level_value, "INFO")
-    service = next((str(fields[k]) for k in _SERVICE_KEYS if fields.get(k)), None)
-    message = next((str(fields[k]) for k in _MESSAGE_KEYS if fields.get(k)), text)
-    return LogLine(level, service, message)
-
-
-def error_kind(message: str) -> str:
-    """Messages that differ only in numbers, ids and durations are one kind of error."""
-    return _VARYING.sub("#", message).strip(" .:;-").lower()
-
-
-def log_signals(logs: str) -> dict[str, Any]:
-    """Counts by level, 5xx responses, the most frequent kind of error (quoted as it appears in its
-    first line) and the service that emits the most errors."""
-    levels: Counter[str] = Counter()
-    kinds: Counter[str] = Counter()
-    first: dict[str, str] = {}
-    emitters: Counter[str] = Counter()
-    status_5xx = 0
-    lines = [line for line in logs.splitlines() if line.strip()]
-    for line in lines:
-        if line[:1].isspace() and line.strip().startswith(("at ", "...", "Caused by", "File ")):
-            continue  # a stack trace's continuation belongs to the error above it
-        parsed = parse_line(line)
-        levels[parsed.level] += 1
-        status_5xx += sum(1 for m in _HTTP_5XX.finditer(line))
-        if parsed.level in ("ERROR", "FATAL") and parsed.message:
-            kind = error_kind(parsed.message)
-            kinds[kind] += 1
-            first.setdefault(kind, parsed.message)
-            if parsed.service:
-                emitters[parsed.service] += 1
-    top = first[kinds.most_common(1)[0][0]] if kinds else ""
-    return {
-        "lines": len(lines),
-        "fatal": levels["FATAL"],
-        "error": levels["ERROR"],
-        "warn": levels["WARN"],
-        "status_5xx": status_5xx,
-        "top_error": top,
-        "top_error_count": kinds.most_common(1)[0][1] if kinds else 0,
-        "emitter": emitters.most_common(1)[0][0] if emitters else "",
-    }
 
 
 def severity_floor(signals: dict[str, Any]) -> str:

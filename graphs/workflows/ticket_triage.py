@@ -177,7 +177,8 @@ choose_opening = llm_node(
     "choose_opening",
     output_key="opening",
     choices_of=lambda state: OPENINGS[state["category"]],
-    params={"max_tokens": 24},
+    # Sampled: replies vary as a person's would; the run seed makes each run's choice reproducible.
+    params={"max_tokens": 24, "temperature": 0.7, "top_p": 0.95},
     prompt="A customer wrote to support:\nSubject: {subject}\n{body}\n\n"
     "Which sentence should open our reply?",
 )
@@ -244,7 +245,7 @@ def next_after_route(state: TriageState) -> str:
 
 def escalate(state: TriageState) -> dict[str, Any]:
     """Page the on-call team for P1 tickets (the page itself is the integrator's hook)."""
-    return {"escalation": f"paged {state['team']} on-call for a P1 {state['category']} ticket"}
+    return {"escalation": f"paged the {state['team']} team for a P1 {state['category']} ticket"}
 
 
 NEXT_STEPS = {
