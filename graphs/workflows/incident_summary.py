@@ -102,12 +102,22 @@ def evidence(state: Mapping[str, Any]) -> str:
             f"warnings, {sig['status_5xx']} HTTP 5xx):\n{excerpt_of(state['logs'])}")
 
 
+SEVERITY_LEXICON = {
+    "crash": r"fatal|panic|crash|oomkilled|out of memory|segfault|crashloop|back-off|killed",
+    "unavailable": r"unavailable|refused|unreachable|no healthy|all requests|every request|\b5\d\d\b",
+    "errors": r"error|exception|failed|failure",
+    "recovered": r"recovered|succeeded after|retry succeeded|resolved|back to normal|reconnected",
+    "warnings": r"warn|slow|degraded|latency",
+}
+"""Counts of what SREs read severity from; they join the hidden states as probe features."""
+
 classify_severity = classifier_node(
     "classify_severity",
     prompt=evidence,
     output_key="model_severity",
     label_key="severity",
     labels=SEVERITIES,
+    lexicon=SEVERITY_LEXICON,
     scores_key="severity_scores",
     probe=PROBES / "incident_summary_severity.json",
 )

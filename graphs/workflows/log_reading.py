@@ -389,10 +389,9 @@ def _find_level(rest: str, *, stamped: bool) -> tuple[str, str | None, str]:
     if m := _TAG_THEN_LEVEL.match(rest):
         level = _level_of(m.group(2)) if m.group(2) else _level_of(m.group(3), bare=True)
         if level:
-            after = m.group(4)
-            if _LOG4J.match(after):  # log4j "[thread] LEVEL logger - msg": the bracket is a thread
-                return level, None, _LOG4J.match(after).group(2)  # type: ignore[union-attr]
-            return level, m.group(1), after
+            if log4j := _LOG4J.match(m.group(4)):  # log4j "[thread] LEVEL logger - msg": a thread
+                return level, None, log4j.group(2)
+            return level, m.group(1), m.group(4)
     if m := _BARE_LEVEL.match(rest):
         level = _level_of(m.group(1), bare=True)
         if level and (stamped or m.group(1).isupper() or ":" in m.group(2)):
