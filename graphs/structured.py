@@ -1,10 +1,10 @@
 """Structured outputs of LLM nodes: a pydantic model, a choice list, a regex, or free text.
 
 A 135M model does not write valid JSON by luck, so structured nodes decode under a grammar
-(:class:`elesium.inference.constraints.Constraint`, contract C3) and the answer is parsed, not
-hoped for. Where the engine cannot take constraints yet, choices fall back to matching the free
-text against the options (first mentioned wins, else the first option), so workflows still run;
-a pydantic output then fails loudly instead of guessing.
+(:class:`elesium.inference.constraints.Constraint`) and the answer is parsed, not hoped for. An engine
+that takes no constraints (a caller's own wrapper) gets free text: choices then fall back to matching
+the text against the options (first mentioned wins, else the first option), and a pydantic output
+fails loudly instead of guessing.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-try:  # contract C3, built in parallel: keep free-text nodes working until it lands
-    from elesium.inference.constraints import Constraint
-except ImportError:  # pragma: no cover - depends on what has landed
-    Constraint = None  # type: ignore[assignment,misc]
+from elesium.inference.constraints import Constraint
 
 
 class StructuredOutputError(ValueError):
@@ -30,9 +27,7 @@ class StructuredOutputError(ValueError):
 
 
 def constraints_available(engine: Any) -> bool:
-    """Whether both halves of C3 are here: the Constraint type and an engine that takes one."""
-    if Constraint is None:
-        return False
+    """Whether ``engine`` (or the engine a wrapper forwards to) takes a ``constraint``."""
     seen = 0
     while engine is not None and seen < 8:  # wrappers (replay's TappedEngine) forward **kwargs inward
         try:
@@ -100,11 +95,9 @@ class OutputSpec:
         return {"free_text": True}
 
     def constraint(self) -> Any:
-        """The C3 Constraint for this output (None for free text)."""
+        """The Constraint for this output (None for free text)."""
         if self.free_text:
             return None
-        if Constraint is None:
-            raise RuntimeError("elesium.inference.constraints is not available in this build")
         if self.model is not None:
             return Constraint.json_schema(self.model)
         if self.choices is not None:
@@ -116,10 +109,10 @@ class OutputSpec:
         return Constraint.regex(self.regex)  # type: ignore[arg-type]
 
     def grammar_fingerprint(self) -> str:
-        """Identifies the grammar a call decoded under (C3's fingerprint when it is there)."""
+        """Identifies the grammar a call decoded under."""
         if self.free_text:
             return ""
-        c = self.constraint() if Constraint is not None else None
+        c = self.constraint()
         if c is not None and hasattr(c, "fingerprint"):
             return str(c.fingerprint())
         return hashlib.sha256(json.dumps(self.describe(), sort_keys=True).encode()).hexdigest()

@@ -1,7 +1,8 @@
 """``train-heads --from-log``: distillation data from the shipped workflows' own runs, on the real model.
 
 Two incident-summary runs and one expense-approval run on the session's engine and Redis leave their
-LLM calls in the acceptance log; the records built from them must be those calls exactly (the prompt
+LLM calls (one each: the runbook step chosen under a choice grammar, the claim's purpose copied under a
+span grammar) in the acceptance log; the records built from them must be those calls exactly (the prompt
 is what the model was fed: greedy decoding from it gives the recorded answer again), keep prompts
 out when asked, skip other models' runs, and train heads through the CLI.
 """
@@ -18,6 +19,8 @@ from elesium.cli import main
 from elesium.graphs import WorkflowRunner
 from elesium.graphs.audit import call_heads
 from elesium.graphs.traffic import records_from_log
+from elesium.graphs.workflows import incident_summary
+from elesium.inference.constraints import Constraint
 from elesium.inference.sampling import SamplingParams
 
 pytest_plugins = ["state_fixtures"]
@@ -47,21 +50,22 @@ def test_one_record_per_call_with_the_prompt_the_model_was_fed(engine, traffic) 
     data = records_from_log(runner.runs, runner.log, model_sha256=engine.weights_info.sha256)
     calls = [c for rid in sorted(traffic["calls"]) for c in traffic["calls"][rid]]
     assert data.runs == 3 and not data.skipped
-    assert len(data.records) == len(calls) == 3 + 3 + 1
+    assert len(data.records) == len(calls) == 1 + 1 + 1  # choose_action twice, the claim's purpose once
     for rec, call in zip(data.records, calls, strict=True):
         assert rec["id"] == call.run_id and rec["task"].endswith("/" + call.node_id)
         assert rec["response_ids"] == list(call.tokens) and rec["prompt_ids"] == list(call.prompt)
         assert rec["model_sha256"] == engine.weights_info.sha256
     prompts = [engine.tokenizer.decode(r["prompt_ids"]) for r in data.records]
-    assert sum("checkout-api" in p for p in prompts) == 6 and any("Team lunch" in p for p in prompts)
-    # The prompt ids are exactly the model's context: greedy decoding from them repeats the answer
-    # (free-text greedy nodes; a grammar-constrained one would need its grammar too).
-    free = [r for r in data.records if r["task"].split("/")[1] in ("summarise", "propose_actions")]
-    assert free and all(r["sampling"]["temperature"] == 0.0 for r in free)
-    for rec in free:
+    assert sum("checkout-api" in p for p in prompts) == 2 and any("Team lunch" in p for p in prompts)
+    # The prompt ids are exactly the model's context: greedy decoding from them, under the node's grammar
+    # (the runbook choice), repeats the answer.
+    chosen = [r for r in data.records if r["task"].split("/")[1] == "choose_action"]
+    assert len(chosen) == 2 and all(r["sampling"]["temperature"] == 0.0 for r in chosen)
+    for rec in chosen:
         n = len(rec["response_ids"])
         params = SamplingParams(max_tokens=n, temperature=0.0)
-        again = engine.generate(rec["prompt_ids"], params, mode="vanilla")
+        again = engine.generate(rec["prompt_ids"], params, mode="vanilla",
+                                constraint=Constraint.choice(incident_summary.RUNBOOK))
         assert list(again.token_ids[:n]) == rec["response_ids"]
 
 
@@ -69,7 +73,7 @@ def test_prompts_can_be_kept_out(engine, traffic) -> None:
     runner = traffic["runner"]
     data = records_from_log(runner.runs, runner.log, model_sha256=engine.weights_info.sha256,
                             include_prompts=False, workflow="incident-summary")
-    assert data.runs == 2 and len(data.records) == 6
+    assert data.runs == 2 and len(data.records) == 2
     by_run = {rid: [list(c.tokens) for c in calls] for rid, calls in traffic["calls"].items()}
     for rec in data.records:
         # The answer alone: its first token is the context, and no prompt token is left.
@@ -91,10 +95,10 @@ def test_cli_trains_heads_from_the_log(traffic, redis_url: str, tmp_path, monkey
             "none", "--eval-every", "3", "--ckpt-every", "3", "--warmup", "1", "--storage", "float"]
     assert main(argv) == 0
     lines = gzip.open(out / "from-log.jsonl.gz", "rt").read().splitlines()
-    assert len(lines) == 7 and all(json.loads(line)["prompt_ids"] for line in lines)
+    assert len(lines) == 3 and all(json.loads(line)["prompt_ids"] for line in lines)
     manifest = json.loads((out / "manifest.json").read_text())
     data = manifest["training"]["data"]
-    assert data["prompts"] == 3 and data["sequences"] == 7 and manifest["training"]["steps"] == 3
+    assert data["prompts"] == 3 and data["sequences"] == 3 and manifest["training"]["steps"] == 3
     assert data["prompt_source"].startswith("the acceptance log: 3 succeeded runs of expense-approval, "
                                             "incident-summary")
     assert (out / "heads.safetensors").exists()
