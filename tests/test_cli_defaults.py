@@ -169,7 +169,8 @@ def test_bench_writes_json_with_the_engine_it_measured_and_plots(tmp_path, capsy
                  str(out), "--device", "cpu", "--dtype", "float32"])
     capsys.readouterr()
     doc = json.loads((out / "bench.json").read_text())
-    assert code == 0 and doc["prompts"] == 1 and doc["identical_outputs"] in (0, 1)
+    # float32 and greedy: speculative decoding's output is vanilla's, so the one prompt counts as identical.
+    assert code == 0 and doc["prompts"] == 1 and doc["identical_outputs"] == 1
     assert doc["vanilla"]["tokens"] > 0 and doc["speculative"]["tokens"] > 0
     engine = doc["engine"]
     assert len(engine["heads_sha256"]) == 64 and engine["device"] == "cpu"

@@ -6,6 +6,7 @@ LLM-node tests run the real bundled model with a few tokens; versions are hashed
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -65,7 +66,6 @@ def echo_builder(
 def test_call_seeds_are_pure_functions_of_run_node_and_index() -> None:
     seeds = {derive_seed(s, n, i) for s in (0, 1) for n in ("a", "b", "ab") for i in (0, 1, 2)}
     assert len(seeds) == 18  # no two (run, node, index) share a seed
-    assert derive_seed(7, "draft", 3) == derive_seed(7, "draft", 3)
     assert all(0 <= s < 2**63 for s in seeds)
     # Pinned: the derivation is part of the replay contract; changing it breaks old runs' replays.
     assert (
@@ -112,7 +112,7 @@ def test_version_is_stable_and_changes_with_prompt_params_code_and_edges() -> No
         Workflow.define("echo", echo_builder, Echo, description="other text", label="L").version
         == base.version
     )
-    assert len(base.version) == 16 and int(base.version, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{16}", base.version)
     other_prompt = Workflow.define("echo", lambda: echo_builder(prompt="Say {topic}."), Echo, description="d")
     other_params = Workflow.define("echo", lambda: echo_builder(max_tokens=7), Echo, description="d")
     assert len({base.version, other_prompt.version, other_params.version}) == 3

@@ -14,14 +14,13 @@ import sys
 _TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from elesium.inference.drafters.top_logprobs import top_logprobs, top_logprobs_reference  # noqa: E402
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+# No skip without Triton: it is a dev dependency, and these tests are the kernels' only CPU check.
 
 
 @pytest.fixture(autouse=True)
