@@ -1,7 +1,7 @@
 """``ticket-triage``: classify -> extract -> route -> draft a reply -> human approval -> finalise.
 
 Each question goes to the node kind that answers it reliably on a 135M model (measured on the
-hand-written evaluation set, ``evals/ticket_triage.jsonl``; figures in ``evals/README.md``):
+hand-written evaluation set, ``evals/ticket_triage.jsonl``; figures in BENCHMARKS.md §11):
 
 - category and priority are closed sets: linear probes on the engine's hidden states
   (``classifier_node``), fitted on the dev split. Asked to write the category, the same model was
