@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -35,6 +33,7 @@ import torch
 from langchain_core.runnables import RunnableConfig
 
 from elesium.graphs.context import get_run_context
+from elesium.graphs.fitted_files import file_digest, load_cached, write_json
 from elesium.graphs.prompts import PromptSource, TemplateFormat, render
 
 
@@ -154,19 +153,11 @@ class ProbeSet:
         return probe_set
 
     def save(self, path: Path) -> None:
-        """Written whole or not at all (a temporary name, then a rename)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
-        tmp.replace(path)
+        write_json(path, self.to_json())
 
 
 def load_probe_set(path: Path) -> ProbeSet:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ProbeError(f"cannot read probe {path}: {exc}") from None
-    return ProbeSet.from_json(data)
+    return load_cached(path, ProbeSet.from_json, ProbeError, "probe")
 
 
 def pooled_features(engine: HiddenStates, prompt: str, layers: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -237,7 +228,7 @@ class ClassifierNode:
 
     @property
     def probe(self) -> ProbeSet:
-        probe = _cached_probe(self.probe_path)
+        probe = load_probe_set(self.probe_path)
         if probe.labels != self.labels or probe.lexicon != tuple(self.lexicon):
             raise ProbeError(f"node {self.name!r}: probe {self.probe_path} was fitted for labels "
                              f"{list(probe.labels)} and lexicon {list(probe.lexicon)}; the node has "
@@ -268,22 +259,10 @@ class ClassifierNode:
     def fingerprint(self) -> dict[str, Any]:
         """What decides this node's output, for the workflow version hash: the probe file's bytes."""
         prompt = self.prompt if isinstance(self.prompt, str) else repr(self.prompt)
-        digest = hashlib.sha256(self.probe_path.read_bytes()).hexdigest() if self.probe_path.exists() else ""
+        digest = file_digest(self.probe_path)
         return {"kind": "classifier", "name": self.name, "prompt": prompt, "output_key": self.output_key,
                 "labels": list(self.labels), "lexicon": dict(self.lexicon), "scores_key": self.scores_key,
                 "template_format": self.template_format, "probe": digest}
-
-
-_PROBES: dict[tuple[str, int], ProbeSet] = {}
-
-
-def _cached_probe(path: Path) -> ProbeSet:
-    if not path.exists():
-        raise ProbeError(f"no probe at {path}; fit one with `elesium fit-classifier`")
-    key = (str(path), path.stat().st_mtime_ns)
-    if key not in _PROBES:
-        _PROBES[key] = load_probe_set(path)
-    return _PROBES[key]
 
 
 def classifier_node(name: str, *, prompt: PromptSource, output_key: str, labels: Sequence[str],

@@ -16,8 +16,6 @@ model), fitted by L-BFGS with an L2 penalty; the file is part of the node's fing
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 from langchain_core.runnables import RunnableConfig
 
 from elesium.graphs.context import get_run_context
+from elesium.graphs.fitted_files import file_digest, load_cached, write_json
 from elesium.graphs.prompts import PromptSource, TemplateFormat, render
 
 _WORD = re.compile(r"\S+")
@@ -147,26 +146,11 @@ class SpanPointer:
             raise SpanError(f"not a span pointer: {exc}") from None
 
     def save(self, path: Path) -> None:
-        """Written whole or not at all (a temporary name, then a rename)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
-        tmp.replace(path)
-
-
-_POINTERS: dict[tuple[str, int], SpanPointer] = {}
+        write_json(path, self.to_json())
 
 
 def load_pointer(path: Path) -> SpanPointer:
-    if not path.exists():
-        raise SpanError(f"no span pointer at {path}; fit one with `elesium fit-classifier`")
-    key = (str(path), path.stat().st_mtime_ns)
-    if key not in _POINTERS:
-        try:
-            _POINTERS[key] = SpanPointer.from_json(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SpanError(f"cannot read span pointer {path}: {exc}") from None
-    return _POINTERS[key]
+    return load_cached(path, SpanPointer.from_json, SpanError, "span pointer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +200,7 @@ class SpanNode:
     def fingerprint(self) -> dict[str, Any]:
         """What decides this node's output, for the workflow version hash: the pointer file's bytes."""
         source = self.source if isinstance(self.source, str) else repr(self.source)
-        path = self.pointer_path
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+        digest = file_digest(self.pointer_path)
         return {"kind": "span", "name": self.name, "source": source, "output_key": self.output_key,
                 "subject_key": self.subject_key, "max_words": self.max_words, "layer": self.layer,
                 "template_format": self.template_format, "pointer": digest}
