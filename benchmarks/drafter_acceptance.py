@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
 from elesium.inference.prompts import read_prompts
 from elesium.inference.tuning.benchmark import drafter_acceptance
 

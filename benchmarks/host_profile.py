@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
 from elesium.inference.prompts import read_prompts
 from elesium.inference.sampling import SamplingParams
 

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
 from elesium.inference.engine import Engine
 from elesium.inference.prompts import read_prompts
 from elesium.inference.sampling import Sampler, SamplingParams

@@ -370,7 +370,7 @@ class ScriptedAPI:
 
 
 def drive(answers: list[Any], ex: ev.Example) -> tuple[ev.ExampleRun, ScriptedAPI]:
-    from elesium.commands.eval import run_example
+    from elesium.cli.commands.eval import run_example
 
     api = ScriptedAPI(answers)
     with httpx.Client(transport=httpx.MockTransport(api), base_url="http://api") as http:
@@ -425,7 +425,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     def refuse(*_: Any, **__: Any) -> None:
         pytest.fail("the model was loaded for a request that should have been refused")
 
-    monkeypatch.setattr("elesium.commands.eval.load_engine", refuse)
+    monkeypatch.setattr("elesium.cli.commands.eval.load_engine", refuse)
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1")
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -486,10 +486,10 @@ def test_unknown_workflow_and_bad_compare_files(no_model, capsys):
 def test_eval_expense_approval_end_to_end(engine, state_server, tmp_path, monkeypatch, capsys):
     """Three claims through the in-process API on the session's model: one approved, two rejected by
     rule, the third labelled "approve" on purpose, so decision accuracy is 2/3."""
-    from elesium.graphs.registry import default_registry
+    from elesium.graphs.workflows import default_registry
     from elesium.state import AcceptanceLog, connect
 
-    monkeypatch.setattr("elesium.commands.eval.load_engine", lambda args: engine)
+    monkeypatch.setattr("elesium.cli.commands.eval.load_engine", lambda args: engine)
     monkeypatch.setenv("REDIS_URL", state_server.url)
     rows = [
         {"id": "ok-1", "split": "test", "input": EXPENSE, "expected": {"decision": "approve", "rules": []}},

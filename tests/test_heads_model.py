@@ -66,7 +66,7 @@ def test_shipped_drafter_beats_the_mlp_head_1(engine):
 
 def test_eval_heads_cli(engine, tmp_path: Path, capsys, monkeypatch):
     # The CLI path end to end, minus a second multi-second model load: reuse the session's engine.
-    from elesium.commands import eval_heads
+    from elesium.cli.commands import eval_heads
 
     monkeypatch.setattr(eval_heads, "load_engine", lambda args, **kwargs: engine)
     prompts = tmp_path / "prompts.jsonl"

@@ -9,7 +9,7 @@ import importlib
 import pytest
 
 from elesium.cli import build_parser
-from elesium.commands.common import settings_from_args
+from elesium.cli.commands.common import settings_from_args
 from elesium.config import ENV_VARS, Settings, cli_flag
 from elesium.errors import SettingsError, UserError
 

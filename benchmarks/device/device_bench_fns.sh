@@ -10,7 +10,7 @@ triton.__version__)"
 } 2>&1 | tee "$S"
 # The bench command through its module: `elesium.cli` imports every subcommand, some of them langgraph,
 # which the device lacks (and the bench does not need).
-BENCH="import argparse, sys; from elesium.commands import bench; p = argparse.ArgumentParser(); \
+BENCH="import argparse, sys; from elesium.cli.commands import bench; p = argparse.ArgumentParser(); \
 bench.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
 summary() {  # bench.json -> one table row
   python3 - "$1" <<'PY' 2>&1 | tee -a "$S"

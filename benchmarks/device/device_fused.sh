@@ -45,7 +45,7 @@ if [ "$PART" = 1 ]; then
   bench t0_mt_bench ${BENCH_S:-130} tests/data/mt_bench_questions.jsonl
   bench t0_enterprise ${BENCH2_S:-90} tests/data/enterprise_prompts.jsonl
 elif [ "$PART" = 4 ]; then
-  TUNE="import argparse, sys; from elesium.commands import tune; p = argparse.ArgumentParser(); \
+  TUNE="import argparse, sys; from elesium.cli.commands import tune; p = argparse.ArgumentParser(); \
 tune.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
   echo "== tune ($(date -u +%T))" | tee -a "$S"
   ELESIUM_CACHE_DIR=/root/cache_tuned timeout ${TUNE_S:-240} python3 -P -c "$TUNE" tune --out "$OUT/profile.json" \

@@ -23,7 +23,7 @@ timeout ${PYTEST_S:-240} python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s -q
 
 # The bench command through its module: `elesium.cli` imports every subcommand, some of them langgraph,
 # which the device lacks (and the bench does not need).
-BENCH="import argparse, sys; from elesium.commands import bench; p = argparse.ArgumentParser(); \
+BENCH="import argparse, sys; from elesium.cli.commands import bench; p = argparse.ArgumentParser(); \
 bench.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
 for inv in on off; do
   date -u +%FT%TZ | tee -a "$OUT/summary.txt"

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
+from elesium.cli.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
 from elesium.inference.training.train_config import TrainConfig
 
 
@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.inference.training.head_training import train
 
     for name in ("prompts", "steps", "batch_size", "gen_batch", "num_heads", "num_layers", "max_new_tokens",
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--from-log reads its data from the runs; it goes with neither --data nor "
                        "--distill-only")
     elif args.workflow is not None:
-        from elesium.graphs.registry import UnknownWorkflowError, default_registry
+        from elesium.graphs.registry import UnknownWorkflowError
+        from elesium.graphs.workflows import default_registry
 
         try:
             default_registry().get(args.workflow)
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 def traffic_data(args: argparse.Namespace, model_sha256: str, say: Callable[[str], None]) -> tuple[Path, str]:
     """``--from-log``: the succeeded runs' LLM calls as a distillation file in OUT; (path, prompt source)."""
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.graphs.traffic import records_from_log
     from elesium.inference.prompts import write_jsonl
     from elesium.state.acceptance_log import AcceptanceLog, Retention

@@ -111,7 +111,7 @@ def load_engine(args: argparse.Namespace, **kwargs: Any):  # -> Engine (import k
 
 def read_prompt_file(path: Any, limit: int | None = None) -> list[str]:
     """Prompts from a user's JSONL file; a malformed file is the user's to fix (one line, exit 1)."""
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.inference.prompts import read_prompts
 
     try:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine, read_prompt_file
+from elesium.cli.commands.common import add_model_args, load_engine, read_prompt_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.inference.records import normalize_mode
     from elesium.inference.sampling import SamplingParams
     from elesium.inference.tuning.benchmark import run_bench, write_plots

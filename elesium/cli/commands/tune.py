@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from elesium.commands.common import (
+from elesium.cli.commands.common import (
     add_model_args,
     add_state_args,
     load_engine,
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return from_log(args)
     for flag, given in (("--workflow", args.workflow is not None), ("--adopt", args.adopt)):
         if given:
-            from elesium.cli import CliError
+            from elesium.cli.errors import CliError
 
             raise CliError(f"{flag} goes with --from-log")
     from elesium.inference.training.distill import build_prompts
@@ -94,9 +94,10 @@ def format_table(rows: list) -> str:
 
 def from_log(args: argparse.Namespace) -> int:
     """``tune --from-log``: recount every node's acceptance from the stored runs; publish what moved."""
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.graphs.calibration import NodeCalibrator
-    from elesium.graphs.registry import UnknownWorkflowError, default_registry
+    from elesium.graphs.registry import UnknownWorkflowError
+    from elesium.graphs.workflows import default_registry
     from elesium.state.acceptance_log import AcceptanceLog, Retention
     from elesium.state.calibrations import CalibrationStore
     from elesium.state.connection import default_url

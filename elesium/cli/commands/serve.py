@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from elesium.api.app import create_app
     from elesium.api.settings import ApiSettings
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port {args.port} is not a TCP port")

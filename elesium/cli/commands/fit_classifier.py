@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elesium.cli import CliError
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
+from elesium.cli.errors import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,8 +59,9 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from elesium.graphs.classifier import ClassifierNode, fit_node_probe
-    from elesium.graphs.registry import UnknownWorkflowError, default_registry
+    from elesium.graphs.registry import UnknownWorkflowError
     from elesium.graphs.spans import SpanNode, fit_span_pointer
+    from elesium.graphs.workflows import default_registry
 
     try:
         workflow = default_registry().get(args.workflow)

@@ -12,7 +12,7 @@ import argparse
 import getpass
 import json
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.graphs import replay as rp
-    from elesium.graphs.registry import default_registry
+    from elesium.graphs.workflows import default_registry
     from elesium.state import RedisSaver, RunRegistry, connect, default_url
     from elesium.state.calibrations import CalibrationStore
     from elesium.state.threads import ThreadStore

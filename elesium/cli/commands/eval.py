@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elesium.cli import CliError
-from elesium.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
+from elesium.cli.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
+from elesium.cli.errors import CliError
 from elesium.graphs import evaluation as ev
 
 MODES = ["vanilla", "speculative", "medusa", "typical"]
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--seed must be >= 0, got {args.seed}")
     if args.server:
         return _run_remote(args)
-    from elesium.graphs.registry import default_registry
+    from elesium.graphs.workflows import default_registry
 
     registry = default_registry()
     workflow = registry.get(args.workflow)  # UnknownWorkflowError: one line
@@ -301,7 +301,8 @@ def _run_remote(args: argparse.Namespace) -> int:
 
 
 def _local_workflow(name: str, version: str) -> Any | None:
-    from elesium.graphs.registry import UnknownWorkflowError, default_registry
+    from elesium.graphs.registry import UnknownWorkflowError
+    from elesium.graphs.workflows import default_registry
 
     try:
         return default_registry().get(name, version or None)

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from elesium.commands.common import add_model_args, load_engine, read_prompt_file
+from elesium.cli.commands.common import add_model_args, load_engine, read_prompt_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.inference.drafters.drafter_tree import apply_draft_depth
     from elesium.inference.drafters.files import load_heads
     from elesium.inference.training.head_training import score_prompts

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
 
 MODES = ("vanilla", "speculative", "typical", "medusa")
 
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.inference.sampling import SamplingParams
 
     if not args.prompt.strip():

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from elesium.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
+from elesium.cli.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
 
 SAMPLE_TICKET = {
     "subject": "Nobody can log in to the helpdesk",
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from elesium.api.client import ElesiumClient
     from elesium.api.server import BackgroundServer
     from elesium.api.settings import ApiSettings
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.state import default_url
 
     ticket = SAMPLE_TICKET

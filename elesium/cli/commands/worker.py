@@ -5,9 +5,9 @@ Any number of these (on any number of machines) share one queue through Redis: `
 or SIGINT the worker takes no new runs, lets in-flight ones finish for ``--grace`` seconds and hands
 the rest back, so another worker resumes them from their last checkpoint within half a lease TTL.
 
-``--executor module:factory`` picks what a run executes: ``factory(args, queue)`` returns the C6
+``--executor module:factory`` picks what a run executes: ``factory(args, queue)`` returns the
 callback ``execute(run_id, lease)``. The default runs the shipped workflows through
-:mod:`elesium.graphs` (:mod:`elesium.background`).
+:mod:`elesium.graphs` (:mod:`elesium.graphs.background`) and the runs created through the API.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from elesium.commands.common import add_model_args
+from elesium.cli.commands.common import add_model_args
 
-DEFAULT_EXECUTOR = "elesium.background:make_executor"
+DEFAULT_EXECUTOR = "elesium.cli.commands.worker:make_executor"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _factory(spec: str) -> Callable[[argparse.Namespace, Any], Any]:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -61,6 +61,27 @@ def _factory(spec: str) -> Callable[[argparse.Namespace, Any], Any]:
     if not callable(factory):
         raise CliError(f"--executor: {module_name!r} has no callable {attr!r}")
     return factory
+
+
+def make_executor(args: argparse.Namespace, queue: Any) -> Callable[[str, Any], str]:
+    """The default executor: runs created through the API and runs submitted with
+    :func:`elesium.graphs.background.submit`, on this machine's engine and the shipped workflows."""
+    from elesium.api.app import build_services
+    from elesium.api.run_executor import ApiRunExecutor, Dispatcher
+    from elesium.api.settings import ApiSettings, env_flag
+    from elesium.cli.commands.common import load_engine
+    from elesium.cli.errors import CliError
+    from elesium.graphs.background import WorkflowExecutor
+    from elesium.graphs.runner import WorkflowRunner
+
+    try:
+        self_tuning = env_flag("ELESIUM_SELF_TUNING") or bool(getattr(args, "self_tuning", False))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    runner = WorkflowRunner(load_engine(args), args.redis_url)
+    services = build_services(ApiSettings(redis_url=args.redis_url, self_tuning=self_tuning), runner.engine,
+                              runner.registry)
+    return Dispatcher(ApiRunExecutor(services), WorkflowExecutor(runner))
 
 
 def _log_claims() -> None:
@@ -76,7 +97,7 @@ def _log_claims() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.cli import CliError
+    from elesium.cli.errors import CliError
     from elesium.state.queue import RunQueue
     from elesium.state.queue_worker import QueueWorker
 

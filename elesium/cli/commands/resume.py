@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from elesium.cli import CliError
-from elesium.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
-from elesium.commands.run import parse_json_arg, print_result, token_printer
+from elesium.cli.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
+from elesium.cli.commands.run import parse_json_arg, print_result, token_printer
+from elesium.cli.errors import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.graphs.registry import UnknownWorkflowError, default_registry
+    from elesium.graphs.registry import UnknownWorkflowError
     from elesium.graphs.runner import RunStateError, WorkflowRunner, validate
+    from elesium.graphs.workflows import default_registry
     from elesium.state import RunRegistry, RunStatus, default_url
 
     value = parse_json_arg(args.value, "--value")

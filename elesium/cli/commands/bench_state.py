@@ -1,6 +1,6 @@
 """``elesium bench-state``: ms per checkpointed LangGraph super-step, Redis against in-memory.
 
-The measurement lives in ``elesium.benchmarks.state_saver``; it is imported only when the command runs,
+The measurement lives in ``elesium.cli.benchmarks.state_saver``; it is imported only when the command runs,
 so ``elesium --help`` does not pay for langgraph.
 """
 
@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.benchmarks.state_saver import bench_checkpointer
+    from elesium.cli.benchmarks.state_saver import bench_checkpointer
 
     doc = bench_checkpointer(args.out, steps=args.steps)
     for name, row in doc["results"].items():

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.graphs.registry import default_registry
+    from elesium.graphs.workflows import default_registry
 
     workflows = default_registry().list()
     if args.json:

@@ -1,6 +1,6 @@
 """The ``elesium`` command line.
 
-Each subcommand lives in ``elesium/commands/<name>.py`` exposing ``register(subparsers)``; the
+Each subcommand lives in ``elesium/cli/commands/<name>.py`` exposing ``register(subparsers)``; the
 handler it sets returns an exit code. Expected failures (bad input, missing files) raise
 ``CliError`` or another ``elesium.errors.UserError`` (or ``FileNotFoundError`` for a path the user
 gave) and become one line on stderr with exit code 1. Anything else is a bug and keeps its
@@ -18,14 +18,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from elesium.cli.errors import CliError
 from elesium.errors import UserError
 
 COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker", "run",
             "resume", "workflows", "serve", "replay", "fit_classifier", "eval")
 
 
-class CliError(UserError):
-    """A user-facing error raised by a command: printed as one line, exit code 1."""
+__all__ = ["CliError", "build_parser", "dispatch", "is_user_error", "main"]
 
 
 # User-facing errors of modules that predate UserError, by module and name: looked up only in modules
@@ -56,13 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log what the engine chose and why (mode, heads, profile) to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"elesium.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"elesium.commands.{name}":
-                continue  # not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"elesium.cli.commands.{name}").register(sub)
     return parser
 
 
@@ -80,7 +74,7 @@ def dispatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("elesium: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a bug is re-raised with its traceback; nothing is recorded here
         if not is_user_error(exc):
             raise
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -109,6 +103,3 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def stream(self, value: object) -> None:
         pass
 
-
-if __name__ == "__main__":
-    sys.exit(main())

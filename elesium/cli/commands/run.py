@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elesium.cli import CliError
-from elesium.commands.common import add_model_args, load_engine
+from elesium.cli.commands.common import add_model_args, load_engine
+from elesium.cli.errors import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -203,8 +203,9 @@ def run_remote(args: argparse.Namespace, payload: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.graphs.registry import UnknownWorkflowError, default_registry
+    from elesium.graphs.registry import UnknownWorkflowError
     from elesium.graphs.runner import WorkflowRunner, validate
+    from elesium.graphs.workflows import default_registry
 
     payload = parse_json_arg(args.input, "--input")
     if args.server:
