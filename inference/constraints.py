@@ -37,15 +37,17 @@ import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import numpy as np
 import pydantic
 import torch
 
-from elesium.inference.decoding.drafts import DraftSet
 from elesium.inference.weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from elesium.inference.decoding.drafts import DraftSet
 
 Path = tuple[int, ...]
 """A rank path into a draft set (``drafts.py``): ``(0, 2)`` is the third draft under the best first one."""

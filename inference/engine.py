@@ -58,6 +58,7 @@ from elesium.inference.tuning.profile import (
     profile_weights,
     weights_of,
 )
+from elesium.inference.types import GenerationRequest, StepHook
 from elesium.inference.weights.loading import LoadedWeights, load_weights
 from elesium.inference.weights.tokenizer import Message, Tokenizer
 from elesium.kernels.tree_attention import backend as tree_attention_backend
@@ -301,7 +302,7 @@ class Engine:
         return "compiled" if isinstance(self.runner, CompiledCpuRunner) else "eager"
 
     def fingerprint(self, mode: DecodeMode | str | None = None) -> dict[str, str]:
-        """What a run's output depends on besides its input and seed (contract C2): model, heads,
+        """What a run's output depends on besides its input and seed: model, heads,
         profile (its tree policy), dtype, device, decoding mode, attention path, CPU weight format,
         whether shape-invariant kernels run and how the step runs (each changes the bits of the logits)."""
         d = self.describe()
@@ -384,6 +385,16 @@ class Engine:
         ids = self.encode_prompt(prompt, raw=raw)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         return GenerationStream(self, ids, params, chosen, seed, on_step, constraint, policy)
+
+    def start(self, request: GenerationRequest, *, on_step: StepHook | None = None) -> GenerationStream:
+        """:class:`~elesium.inference.types.TextEngine`'s entry: ``stream`` for a request value."""
+        return self.stream(request.prompt, request.sampling, mode=request.mode, raw=request.raw,  # type: ignore[arg-type]
+                           on_step=on_step, constraint=request.constraint, policy=request.policy)
+
+    def step_cost(self, nodes: int) -> float:
+        """Relative cost of one decode step verifying ``nodes`` tree nodes, from the tuned profile: what
+        a node calibration trial weighs acceptance against."""
+        return float(self.policy.cost(nodes))
 
     def generate(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,
                  mode: DecodeMode | str | None = None, raw: bool = False,

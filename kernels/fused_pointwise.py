@@ -104,18 +104,26 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     return q
 
 
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as the model defines it (``runtime.model.apply_rope``), restated here because
+    kernels import nothing from the engine: ``x`` ``[B, H, N, D]``, ``cos``/``sin`` ``[B, 1, N, D]``
+    float32, the rotation in float32 and the result in ``x``'s dtype. Tests hold the two to each other."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
 def rope_qkv_to_cache_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, offset: int | torch.Tensor,
                                 num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """The definition: the model's ``Attention.project`` and cache write."""
-    from elesium.inference.runtime.model import apply_rope
-
     b, n, _ = qkv.shape
     d = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     cos, sin = cos.reshape(b, 1, n, d).float(), sin.reshape(b, 1, n, d).float()
-    q = apply_rope(q.reshape(b, n, num_heads, d).transpose(1, 2), cos, sin)
-    k = apply_rope(k.reshape(b, n, num_kv_heads, d).transpose(1, 2), cos, sin)
+    q = rope_reference(q.reshape(b, n, num_heads, d).transpose(1, 2), cos, sin)
+    k = rope_reference(k.reshape(b, n, num_kv_heads, d).transpose(1, 2), cos, sin)
     slots = offset + torch.arange(n, device=qkv.device)
     k_cache.index_copy_(2, slots, k)
     v_cache.index_copy_(2, slots, v.reshape(b, n, num_kv_heads, d).transpose(1, 2))

@@ -19,7 +19,6 @@ from elesium.inference.decoding.tree import Tree
 from elesium.inference.runtime.config import ModelConfig
 from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.model import Transformer
-from elesium.inference.runtime.tree_chain import TreeChain, start_tree_chain
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"  # tests/data/README.md
 VOCAB = 40
@@ -155,15 +154,19 @@ def eager_capture(body: Any) -> tuple[EagerReplay, torch.Tensor]:
 
 
 class ChainRunner(ForwardRunner):
-    """The eager runner with tree chains, as ``CudaGraphRunner`` has them."""
+    """The eager runner with tree chains, as ``CudaGraphRunner`` has them (``decoding/tree_chain.py``
+    captures through ``capture``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.graphs: dict = {}
-        self.chains_started: list[TreeChain] = []
+    tree_chains = True
 
-    def tree_chain(self, *args: Any) -> TreeChain | None:
-        chain = start_tree_chain(self, self.graphs, eager_capture, *args)
-        if chain is not None:
-            self.chains_started.append(chain)
-        return chain
+    @property
+    def capture(self) -> Any:
+        return eager_capture
+
+    @property
+    def graphs(self) -> dict:
+        return self.chain_graphs
+
+    @property
+    def chains_started(self) -> list[int]:
+        return list(range(self.tree_chains_started))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.hydra import Conditioning, HydraHeads
+from elesium.inference.drafters.medusa import MedusaHeads
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.runtime.config import ModelConfig
 from elesium.inference.runtime.forward import ForwardRunner
@@ -33,12 +33,17 @@ VOCAB = 8
 class RandomHeads(nn.Module):
     """Random residual heads: deliberately imperfect drafts, so both accept and reject paths run.
 
-    Medusa-shaped (``drafters.protocol.FactoredHeads``): drafts read the hidden state alone.
+    Medusa-shaped: drafts read the hidden state alone, so it proposes as ``MedusaHeads`` do.
     """
 
-    conditioned: Literal[False] = False
     drafter: FeatureDrafter | None = None
     source_sha256: str = ""
+    fuses_drafts = True
+    new_cache = MedusaHeads.new_cache
+    fused_states = MedusaHeads.fused_states
+    draft_tree = MedusaHeads.draft_tree
+    prefill = MedusaHeads.prefill
+    propose = MedusaHeads.propose
 
     def __init__(self, hidden: int, num_heads: int, seed: int) -> None:
         super().__init__()
@@ -134,8 +139,8 @@ def speculative_samples(model: Transformer, heads: DraftHeads, policy: TreePolic
         dec = TreeDecoder(runner, heads, params, sampler, TreePolicy(**_policy_args(policy)), mode,
                           grammar=grammar.copy() if grammar is not None else None)
         dec.offset, dec.pending, dec.hidden = len(prefix), first, snapshot[2]
-        if base.rows is not None:  # path-conditioned heads draft from the rows, which end in ``first``
-            dec.rows, dec.row_tokens, dec.row_start = base.rows, [first], base.row_start
+        assert base.rows is not None  # the heads draft from the rows, which end in ``first``
+        dec.rows, dec.row_tokens, dec.row_start = base.rows, [first], base.row_start
         if on_decoder is not None:
             on_decoder(dec)
         got: list[int] = []

@@ -19,7 +19,7 @@ from elesium.inference.drafters.attention_drafter import FeatureDrafter, unrolle
 from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.files import HeadsMismatchError, load_heads, read_manifest, save_heads
 from elesium.inference.prompts import write_jsonl
-from elesium.inference.runtime.forward import ForwardRunner, draft_tree
+from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.training.drafter_training import depth_logits, padded
 from elesium.inference.training.head_training import TrainConfig, train
@@ -86,8 +86,8 @@ def test_cached_tree_expansion_equals_the_unrolled_path(live):
     runner = ForwardRunner(model, model.new_cache(64), tree)
     cache = runner.drafter_cache
     start = torch.tensor(0) if not live else 0
-    tokens, logprobs, parents = draft_tree(model, tree, hidden, context[1:], start,
-                                           torch.tensor([prefix - 1]), width, topk, cache)
+    tokens, logprobs, parents = tree.draft_tree(model, hidden, context[1:], start,
+                                                torch.tensor([prefix - 1]), width, topk, cache)
     level_rows = [0, 1, 1 + width, 1 + 2 * width]
     assert tokens.shape == (1 + 3 * width, topk) and parents[0] == -1
     t = prefix - 1

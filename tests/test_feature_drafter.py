@@ -16,7 +16,7 @@ from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.files import load_heads, read_manifest, save_heads
 from elesium.inference.drafters.hydra import HydraHeads
 from elesium.inference.prompts import write_jsonl
-from elesium.inference.runtime.forward import ForwardRunner, draft_tree
+from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.training.drafter_training import drafter_logits, drafter_loss, padded
 from elesium.inference.training.head_training import TrainConfig, train
@@ -71,8 +71,8 @@ def test_padded_static_drafting_matches_eager():
         want = eager.expand(heads, rows, tokens.tolist(), start, 4, 3)
         pad_rows = torch.cat([rows, torch.randn(r_max - n, 32)])
         pad_tokens = torch.cat([tokens, torch.randint(VOCAB, (r_max - n,))])
-        got = draft_tree(model, heads, pad_rows, pad_tokens, torch.tensor(start), torch.tensor([n - 1]), 4, 3,
-                         static_cache)
+        got = heads.draft_tree(model, pad_rows, pad_tokens, torch.tensor(start), torch.tensor([n - 1]), 4, 3,
+                               static_cache)
         for w, g in zip(want, got):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"step {step}")
         start += n

@@ -236,7 +236,7 @@ def test_compiled_tree_logic_equals_eager() -> None:
     import numpy as np
 
     from elesium.inference.decoding.device_tree import ExpansionLayout
-    from elesium.inference.runtime.tree_chain import tree_logic
+    from elesium.inference.decoding.tree_chain import tree_logic
     from elesium.inference.sampling import target_probs
     from test_expanded_tree import random_expansion
 
@@ -299,7 +299,7 @@ def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) 
 
     seeded = SamplingParams(temperature=0.7, max_tokens=TOKENS, seed=5)
     runs = [bf16.generate(mt_bench_prompts[0], seeded, mode="speculative") for _ in range(2)]
-    assert any(key[1][0] > 0 for key in bf16.runner._tree_chains), \
+    assert any(key[1][0] > 0 for key in bf16.runner.chain_graphs), \
         "the bundled model's T = 0.7 chain did not start"
     assert runs[0].token_ids == runs[1].token_ids, "a seeded sampled run did not replay"
     assert runs[0].mean_accepted > 1.3, f"tau {runs[0].mean_accepted}: drafts were hardly accepted"
@@ -382,7 +382,7 @@ def test_fused_kernels_bf16() -> None:
 
 
 def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -> None:
-    """Greedy speculative steps as one self-feeding graph (runtime/tree_chain.py: drafting, the tree on
+    """Greedy speculative steps as one self-feeding graph (decoding/tree_chain.py: drafting, the tree on
     the device, verification, acceptance, K/V moves): vanilla's tokens, as the host tree step gives
     them; stops exact and harmless to the next run; a nearly full cache hands back to the host path."""
     runner = bf16.runner
@@ -398,7 +398,7 @@ def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -
             runner.tree_chains = True
 
     chained = [spec(True, p) for p in prompts]
-    assert runner._tree_chains, "speculative decoding did not take the device tree step"
+    assert runner.chain_graphs, "speculative decoding did not take the device tree step"
     host = [spec(False, p) for p in prompts]
     for i, (c, h, v) in enumerate(zip(chained, host, vanilla)):
         assert c.token_ids == v, f"prompt {i}: chained tree steps diverge at token {_diverge(c.token_ids, v)}"
@@ -413,7 +413,7 @@ def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -
     ids = bf16.encode_prompt(prompts[2])
     small = load("bfloat16", max_len=len(ids) + 70)  # room for the chain to start, not to finish
     full = small.generate(prompts[2], params, mode="speculative")
-    assert small.runner._tree_chains, "the small engine's chain did not start"
+    assert small.runner.chain_graphs, "the small engine's chain did not start"
     # Against the small engine's own vanilla run: attention spans the whole (smaller) cache, so its
     # sums are split differently from the large engine's and may round a near-tie differently.
     alone = small.generate(prompts[2], params, mode="vanilla")
@@ -440,7 +440,7 @@ def test_sliced_drafting_in_the_tree_chain_equals_vanilla(bf16, mt_bench_prompts
         runner.draft_topk_chunk = 1024
     assert bf16.forward_path == "cuda-graph-chains/topk-chunk-1024"
     sliced = [bf16.generate(p, params, mode="speculative") for p in prompts]
-    assert any(key[3] == 1024 for key in runner._tree_chains), "no chain ran with the sliced drafting"
+    assert any(key[3] == 1024 for key in runner.chain_graphs), "no chain ran with the sliced drafting"
     for i, (s, v) in enumerate(zip(sliced, vanilla)):
         assert s.token_ids == v, f"prompt {i}: sliced drafting diverges at token {_diverge(s.token_ids, v)}"
     ref_tau = sum(r.mean_accepted for r in reference) / len(reference)
@@ -525,7 +525,7 @@ def test_drafter_tree_chain_equals_host_steps_and_vanilla(tmp_path, mt_bench_pro
     params = SamplingParams(max_tokens=TOKENS)
     vanilla = [engine.generate(p, params, mode="vanilla").token_ids for p in prompts]
     chained = [engine.generate(p, params, mode="speculative") for p in prompts]
-    assert runner._tree_chains, "speculative decoding did not take the device tree step"
+    assert runner.chain_graphs, "speculative decoding did not take the device tree step"
     runner.tree_chains = False
     try:
         host = [engine.generate(p, params, mode="speculative") for p in prompts]

@@ -313,6 +313,18 @@ def test_add_rms_norm_and_swiglu_match_reference_and_are_row_invariant(dtype: to
         add_rms_norm(x, delta[:, :3], w, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_rope_reference_is_the_models_rope(dtype: torch.dtype) -> None:
+    """kernels/ restate RoPE rather than import the engine's: the two must stay the same function."""
+    from elesium.inference.runtime.model import apply_rope
+    from elesium.kernels.fused_pointwise import rope_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 16, generator=g).to(dtype)
+    cos, sin = torch.randn(2, 1, 5, 16, generator=g), torch.randn(2, 1, 5, 16, generator=g)
+    assert torch.equal(rope_reference(x, cos, sin), apply_rope(x, cos, sin))
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_fused_forward_computes_the_models_forward(invariant: bool) -> None:
     """runtime/fused.py against Transformer.forward on a random fp32 model: a prompt chunk, then a tree

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from elesium.inference.drafters.protocol import Proposal
 
 RankPath = tuple[int, ...]
 """Ranks from the root: ``(0, 2)`` is the third-best draft under the best first draft."""
@@ -103,3 +106,17 @@ class ExpandedDrafts:
                 children[path] = (list(tokens[start + i]), [x / temperature for x in scores[start + i]])
             start += len(level_paths)
         return cls(children)
+
+
+def draft_set(proposal: Proposal, temperature: float) -> DraftSet:
+    """A proposal's candidates as rank paths, scored over the draft temperature.
+
+    Dividing log-probabilities by the temperature is a monotone reshaping: it changes which paths
+    win across depths (the tree's shape), never the order among siblings. Each layout keeps the
+    arithmetic it always had (a float32 division for per-depth lists, float64 for expansions), so
+    trees, and with them the sampled outputs of a seed, stay what they were.
+    """
+    if proposal.parents is None:
+        return FactoredDrafts(proposal.tokens.tolist(), (proposal.logprobs / temperature).tolist())
+    return ExpandedDrafts.from_expansion(proposal.tokens.tolist(), proposal.logprobs.float().tolist(),
+                                         proposal.parents.tolist(), proposal.width, temperature)

@@ -18,11 +18,15 @@ on random expansions. Grammar-constrained decoding and static trees keep the gen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from elesium.inference.decoding.tree import Tree
+
+if TYPE_CHECKING:
+    from elesium.inference.drafters.protocol import Proposal
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,15 @@ class Expansion:
     def from_device(cls, tokens: torch.Tensor, logprobs: torch.Tensor, parents: torch.Tensor, width: int,
                     temperature: float = 1.0) -> Expansion:
         return cls.from_arrays(*host_arrays(tokens, logprobs, parents), width, temperature)
+
+    @classmethod
+    def of(cls, proposal: Proposal, temperature: float) -> Expansion | None:
+        """A proposal's expansion, read back as arrays; None where its rows are per-depth lists (every
+        rank path exists, so there is no expansion to choose from)."""
+        if proposal.parents is None:
+            return None
+        return cls.from_device(proposal.tokens, proposal.logprobs, proposal.parents, proposal.width,
+                               temperature)
 
 
 def host_arrays(tokens: torch.Tensor, logprobs: torch.Tensor, parents: torch.Tensor,

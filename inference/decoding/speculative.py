@@ -1,7 +1,8 @@
 """Tree speculative decoding: propose a tree, verify it in one forward, keep the best path.
 
-``TreeDecoder`` runs every kind of draft head: Medusa heads, Hydra heads, and Hydra heads with the
-attention drafter (``drafters/protocol.py`` is what it may call on them).
+``TreeDecoder`` runs every kind of draft heads through one interface, ``drafters.protocol.Proposer``:
+it hands them the positions accepted since they last drafted and gets a ``Proposal`` back, without
+asking which kind they are.
 
 One step, starting from the pending token t0 (chosen but not yet in the cache) and the hidden state
 h of the last cached position:
@@ -27,22 +28,23 @@ from collections.abc import Callable, Sequence
 import torch
 
 from elesium.inference.constraints import ConstrainedDrafts, GrammarState
-from elesium.inference.decoding.drafts import DraftSet, ExpandedDrafts, FactoredDrafts
+from elesium.inference.decoding.drafts import DraftSet, draft_set
 from elesium.inference.decoding.expanded_tree import Expansion
 from elesium.inference.decoding.tree import Tree
+from elesium.inference.decoding.tree_chain import ChainStep, TreeChain, TreeShape, start_tree_chain
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.verify import Verdict, verify_greedy, verify_sampled, verify_typical
-from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, expands
+from elesium.inference.drafters.protocol import DraftContext, Proposal, Proposer
 from elesium.inference.records import DecodeMode, StepRecord, normalize_mode
-from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_topk
-from elesium.inference.runtime.tree_chain import ChainStep, TreeChain, TreeShape
+from elesium.inference.runtime.forward import ForwardRunner
+from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.inference.sampling import Sampler, SamplingParams, greedy_token
 
 
 class TreeDecoder:
     """Holds one generation's decode state between tree steps (``engine.Decoder``'s speculative kind)."""
 
-    def __init__(self, runner: ForwardRunner, heads: DraftHeads, params: SamplingParams, sampler: Sampler,
+    def __init__(self, runner: ForwardRunner, heads: Proposer, params: SamplingParams, sampler: Sampler,
                  policy: TreePolicy, mode: DecodeMode | str = "speculative",
                  grammar: GrammarState | None = None) -> None:
         mode = normalize_mode(mode)
@@ -61,16 +63,17 @@ class TreeDecoder:
         self.grammar = grammar
         self.offset = 0
         self.pending = -1
-        self.hidden: torch.Tensor | None = None
-        # Positions written since drafting last ran (Hydra): hidden states, the token after each, first slot.
+        self.hidden: torch.Tensor | None = None  # h_t: the last cached position's hidden state
+        # Positions written since the heads last drafted: hidden states, the token after each, first slot.
         self.rows: torch.Tensor | None = None
         self.row_tokens: list[int] = []
         self.row_start = 0
-        self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # [heads, k] on the CPU
+        # The heads' drafts at the kept node where the last verify forward computed them ([heads, k], CPU).
+        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
         self.steps = 0
         self.emitted = 0  # tokens committed by the steps so far
         # Hydra steps on CUDA (greedy, or exact sampling) come from a self-feeding graph
-        # (runtime.tree_chain) until the cache is too full for another fixed-size step; None where
+        # (decoding.tree_chain) until the cache is too full for another fixed-size step; None where
         # the runner has none.
         self._chain: TreeChain | None = None
         self._chain_tried = False
@@ -86,53 +89,32 @@ class TreeDecoder:
             self.pending = self.sampler.pick(logits, self.params,
                                              self.grammar.mask(logits.shape[-1], logits.device))
             self.grammar.advance(self.pending)
-        if expands(self.heads):
-            # Every prompt position but the last goes into the drafter now; the last pairs with the
-            # pending token and opens the first step's drafting.
-            self.runner.prefill_drafter(self.heads, hidden[:-1], prompt_ids[1:])
-            self.rows, self.row_tokens, self.row_start = hidden[-1:], [self.pending], self.offset - 1
+        # Every prompt position but the last goes to the heads now (those that keep a cache); the last
+        # pairs with the pending token and opens the first step's drafting.
+        self.heads.prefill(self.runner, hidden[:-1], prompt_ids[1:])
+        self.rows, self.row_tokens, self.row_start = hidden[-1:], [self.pending], self.offset - 1
         return self.pending
 
-    def draft(self) -> DraftSet:
-        """This step's candidates, scored by log-probability over the draft temperature.
-
-        Dividing log-probabilities by the temperature is a monotone reshaping: it changes which
-        paths win across depths (the tree's shape), never the order among siblings.
-        """
-        k, temperature = self.policy.draft_topk(), self.policy.draft_temperature
-        if expands(self.heads):
-            return self._expand(self.heads, k, temperature)
-        if self.drafts is None:  # not fused into the last step: run the heads on the kept node
-            tokens, logprobs = draft_topk(self.model, self.heads, self.hidden, k)
-            self.drafts = (tokens.cpu(), logprobs.float().cpu())
-        tokens, logprobs = self.drafts
-        return FactoredDrafts(tokens[:, :k].tolist(), (logprobs[:, :k] / temperature).tolist())
-
-    def _expand(self, heads: ExpandingHeads, k: int, temperature: float) -> ExpandedDrafts:
-        """Hydra: one drafting pass from (h, t0), after the drafter (if any) reads the last step's
-        accepted positions; read back in one copy per output."""
-        width = self.policy.expand_width
+    def propose(self) -> Proposal:
+        """This step's candidates from the heads, as they read the positions accepted since last time."""
         assert self.rows is not None, "prefill() first"
-        tokens, logprobs, parents = self.runner.expand(heads, self.rows, self.row_tokens, self.row_start,
-                                                       width, k, self.policy.draft_levels(heads.num_heads))
-        return ExpandedDrafts.from_expansion(tokens.tolist(), logprobs.float().tolist(), parents.tolist(),
-                                             width, temperature)
+        context = DraftContext(self.rows, self.row_tokens, self.row_start, self.fused)
+        return self.heads.propose(self.runner, context, self.policy.draft_topk(), self.policy.expand_width,
+                                  self.policy.draft_levels(self.heads.num_heads))
+
+    def draft(self) -> DraftSet:
+        """This step's candidates as rank paths, scored by log-probability over the draft temperature."""
+        return draft_set(self.propose(), self.policy.draft_temperature)
 
     def _array_tree(self) -> bool:
-        return expands(self.heads) and self.grammar is None and self.policy.kind == "dynamic"
-
-    def _expansion(self) -> Expansion:
-        """``_expand``'s drafting, read back as arrays for ``TreePolicy.build_expanded``."""
-        assert self.rows is not None and expands(self.heads), "prefill() first, with Hydra heads"
-        width = self.policy.expand_width
-        tokens, logprobs, parents = self.runner.expand(self.heads, self.rows, self.row_tokens, self.row_start,
-                                                       width, self.policy.draft_topk(),
-                                                       self.policy.draft_levels(self.heads.num_heads))
-        return Expansion.from_device(tokens, logprobs, parents, width, self.policy.draft_temperature)
+        """Whether an expanded proposal's tree is chosen in array operations (``expanded_tree.py``): the
+        dynamic policy without a grammar; static trees and grammars take the general path."""
+        return self.grammar is None and self.policy.kind == "dynamic"
 
     def _chainable(self) -> bool:
-        """Hydra steps with the runner's own heads (the chain drafts with those), no grammar, and exact
-        acceptance (greedy or sampled; typical acceptance stays on the host)."""
+        """Steps with the runner's own heads (a chain drafts with those), the array tree and exact
+        acceptance (greedy or sampled; typical acceptance stays on the host). Whether the heads' drafting
+        can be captured in a chain at all is ``start_tree_chain``'s to say."""
         return (self._array_tree() and self.mode == "speculative"
                 and self.rows is not None and self.heads is self.runner.heads)
 
@@ -145,8 +127,8 @@ class TreeDecoder:
                 assert self.rows is not None
                 shape = TreeShape(self.policy.max_nodes, self.policy.expand_width, self.policy.draft_topk())
                 limit = self.runner.cache.max_len if room is None else self.offset + room
-                self._chain = self.runner.tree_chain(
-                    shape, self.pending, self.offset, self.rows, self.row_tokens, self.row_start,
+                self._chain = start_tree_chain(
+                    self.runner, shape, self.pending, self.offset, self.rows, self.row_tokens, self.row_start,
                     self.policy.draft_temperature, limit, self.params,
                     None if self.params.greedy else self.sampler.uniforms,
                     max(1, self.params.max_tokens - 1 - self.emitted))
@@ -184,14 +166,16 @@ class TreeDecoder:
         draft_temperature = self.policy.draft_temperature
         calibration = self.policy.calibration if self.policy.kind == "dynamic" else 0.0
         drafts: DraftSet | None = None
-        if self._array_tree():
-            # Hydra heads, dynamic tree, no grammar: the tree in array operations (expanded_tree.py).
-            tree, drafted, ancestors = self.policy.build_expanded(self._expansion())
+        proposal = self.propose()
+        expansion = Expansion.of(proposal, draft_temperature) if self._array_tree() else None
+        if expansion is not None:
+            # An expanded proposal under the dynamic policy: the tree in array operations.
+            tree, drafted, ancestors = self.policy.build_expanded(expansion)
             if room is not None and tree.size > room:
                 tree, drafted, ancestors = tree.truncated(room), drafted[:room - 1], ancestors[:room, :room]
             node_tokens = [self.pending] + drafted
         else:
-            drafts = self.draft()
+            drafts = draft_set(proposal, draft_temperature)
             if self.grammar is not None:
                 drafts = ConstrainedDrafts(drafts, self.grammar)
             tree = self.policy.build(drafts)
@@ -210,16 +194,13 @@ class TreeDecoder:
             self.runner.cache.move(src, dst)
         committed = [node_tokens[n] for n in path[1:]] + [verdict.bonus]
         last = path[-1]
-        if expands(self.heads):
-            # Accepted node i is followed by committed[i]: its child on the path, or the bonus.
-            # index_select copies: the runner's buffers are reused next step.
-            self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))
-            self.row_tokens, self.row_start = committed, self.offset
-            self.hidden = self.rows[-1]
-        else:
-            self.hidden = out.hidden[last].clone()  # the runner's buffers are reused next step
+        # Accepted node i is followed by committed[i]: its child on the path, or the bonus.
+        # index_select copies: the runner's buffers are reused next step.
+        self.rows = out.hidden.index_select(0, torch.tensor(path, device=dev))
+        self.row_tokens, self.row_start = committed, self.offset
+        self.hidden = self.rows[-1]
         self.offset += len(path)
-        self.drafts = None if out.draft_tokens is None else (
+        self.fused = None if out.draft_tokens is None or out.draft_logprobs is None else (
             out.draft_tokens[last].cpu(), out.draft_logprobs[last].float().cpu())
         self.pending = verdict.bonus
         if isinstance(drafts, ConstrainedDrafts):

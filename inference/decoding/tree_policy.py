@@ -27,6 +27,7 @@ from elesium.inference.decoding.drafts import DraftSet, RankPath
 from elesium.inference.decoding.expanded_tree import Expansion, best_candidates, tree_of
 from elesium.inference.decoding.tree import Tree, ranked_paths, restricted
 from elesium.inference.records import StepRecord
+from elesium.inference.runtime.drafting import DRAFT_TOPK
 
 TreeKind = Literal["static", "dynamic"]
 
@@ -98,8 +99,6 @@ class TreePolicy:
         return max(1, min(heads, deepest))
 
     def draft_topk(self) -> int:
-        from elesium.inference.runtime.forward import DRAFT_TOPK
-
         return min(DRAFT_TOPK, self._static.max_rank if self._static is not None else self.topk)
 
     def build(self, drafts: DraftSet) -> Tree:

@@ -92,6 +92,33 @@ class FeatureDrafter(nn.Module):
         x = self.inputs(model, hidden, next_tokens)
         return self.layer(x, cos, sin, k_cache, v_cache, offset, ancestors, None).to(hidden.dtype)
 
+    def prefill_rows(self, model: Transformer, hidden: torch.Tensor, next_tokens: list[int], start: int,
+                     cache: tuple[torch.Tensor, torch.Tensor], chunk: int) -> None:
+        """Write prompt rows into ``cache``: ``hidden[i]`` (slot ``start + i``) paired with
+        ``next_tokens[i]``, in chunks of ``chunk`` rows so the mask stays ``[chunk, prefix + chunk]``."""
+        dev = model.device
+        tokens = torch.tensor(next_tokens, device=dev)
+        for lo in range(0, len(next_tokens), chunk):
+            hi = min(lo + chunk, len(next_tokens))
+            positions = torch.arange(start + lo, start + hi, device=dev)
+            self(model, hidden[None, lo:hi], tokens[None, lo:hi], positions, *cache, start + lo,
+                 model.causal(hi - lo))
+
+    def advance(self, model: Transformer, rows: torch.Tensor, tokens: torch.Tensor, start: Offset,
+                last: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Take in the rows accepted since the last step (``StepDrafter.draft_tree``'s ``rows`` to
+        ``last``) and return row ``last``'s feature ``[1, H]``, which drafts level 1.
+
+        Rows past ``last`` are padding (a graph runs a fixed R): they write slots that the next call
+        overwrites, and causal attention keeps them out of the real rows."""
+        if cache is None:
+            raise ValueError("these heads carry a drafter, but no drafter cache was given")
+        r = rows.shape[0]
+        # Clamp only matters for padding rows at the very end of the context.
+        positions = (start + torch.arange(r, device=rows.device)).clamp(max=model.rope_cos.shape[0] - 1)
+        feats = self(model, rows[None], tokens[None], positions, *cache, start, model.causal(r))[0]
+        return feats.index_select(0, last)
+
     def sequence(self, model: Transformer, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Whole sequences ``[B, N]`` from position 0, no cache: ``forward``'s function through the same
         ``Block`` with fused causal attention (and a backward pass) for training. Right padding is

@@ -22,7 +22,7 @@ their own ancestors. Shapes are static and nothing syncs, so CUDA graphs capture
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +30,9 @@ from torch import nn
 from elesium.config import MAX_DRAFT_DEPTH
 from elesium.errors import SettingsError
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
+from elesium.inference.drafters.path_proposer import PathProposer
 from elesium.inference.drafters.top_logprobs import best_paths, level_candidates
+from elesium.inference.runtime.drafting import Drafted, DrafterCache
 from elesium.inference.runtime.model import Transformer
 from elesium.kernels.tree_attention import tree_attention
 
@@ -39,10 +41,9 @@ MAX_WIDTH = 32
 the context for the level rows."""
 
 
-class DrafterTree(nn.Module):
+class DrafterTree(PathProposer, nn.Module):
     """``depth`` draft levels, every one drafted by ``drafter`` (manifest kind ``eagle``)."""
 
-    conditioned: Literal[True] = True
     source_sha256: str = ""  # set by load_heads to the drafter file's sha256
     # ``expand``'s default for ``fused`` (None: auto). Set before the first step, because a captured
     # graph keeps the levels it was recorded with; benchmarks set False for the plain levels' A/B.
@@ -93,6 +94,20 @@ class DrafterTree(nn.Module):
     def scratch_slots(self) -> int:
         """Drafter-cache slots the level rows may need past the last real slot."""
         return (self.num_heads - 1) * MAX_WIDTH
+
+    def draft_tree(self, model: Transformer, rows: torch.Tensor, tokens: torch.Tensor,
+                   start: int | torch.Tensor, last: torch.Tensor, width: int, topk: int,
+                   cache: DrafterCache | None, topk_chunk: int | None = None,
+                   levels: int | None = None) -> Drafted:
+        """``StepDrafter.draft_tree``: the drafter reads the new rows, then drafts every level through
+        its own cache from row ``last``'s feature."""
+        first = self.feature_drafter.advance(model, rows, tokens, start, last, cache)
+        assert cache is not None  # advance raised otherwise
+        token = tokens.index_select(0, last)
+        # Eager callers pass no padding rows: the host knows the root slot, and attention spans the live
+        # slots only. The graphs' root stays on the device.
+        root = start + int(last) if isinstance(start, int) else (start + last).reshape(())
+        return self.expand(model, first, token, width, topk, cache, root, topk_chunk, levels)
 
     def config(self) -> dict[str, Any]:
         return {"kind": "eagle", "num_heads": self.num_heads, "num_layers": 1,

@@ -31,7 +31,9 @@ from torch import nn
 from elesium.inference.drafters.attention_drafter import FeatureDrafter
 from elesium.inference.drafters.drafter_tree import DrafterTree
 from elesium.inference.drafters.medusa import MedusaHeads, ResBlock
+from elesium.inference.drafters.path_proposer import PathProposer
 from elesium.inference.drafters.top_logprobs import best_paths, level_candidates
+from elesium.inference.runtime.drafting import Drafted, DrafterCache
 from elesium.inference.runtime.model import Transformer
 
 Conditioning = Literal["concat", "chain"]
@@ -54,7 +56,7 @@ class ConditionedBlock(nn.Module):
         return self.skip(z) + F.silu(self.linear(z))
 
 
-class HydraHeads(nn.Module):
+class HydraHeads(PathProposer, nn.Module):
     """``num_heads`` sequentially dependent heads over the final-norm hidden state.
 
     Example (teacher forcing, as in training and ``eval-heads``)::
@@ -63,9 +65,8 @@ class HydraHeads(nn.Module):
         logits = model.logits(out)                               # [K, B, V]; head k saw next_tokens[:, :k+1]
     """
 
-    # The ``drafters.protocol.ExpandingHeads`` members that are not modules or methods.
-    # Drafts depend on the path: the engine drafts per step, after verification.
-    conditioned: Literal[True] = True
+    # The ``drafters.protocol.Proposer`` members that are not modules or methods (``PathProposer``'s
+    # too): drafts depend on the path, so the engine drafts per step, after verification.
     source_sha256: str = ""  # set by load_heads to the files' sha256 (drafter's file included)
     logit_scale: float = 1.0  # as DrafterTree.logit_scale
 
@@ -160,11 +161,22 @@ class HydraHeads(nn.Module):
             state, tok, parent = state[rows], top_tokens.flatten()[best], best
         return torch.cat(all_tokens), torch.cat(all_logprobs), torch.cat(all_parents)
 
+    def draft_tree(self, model: Transformer, rows: torch.Tensor, tokens: torch.Tensor,
+                   start: int | torch.Tensor, last: torch.Tensor, width: int, topk: int,
+                   cache: DrafterCache | None, topk_chunk: int | None = None,
+                   levels: int | None = None) -> Drafted:
+        """``StepDrafter.draft_tree``: the drafter (if any) reads the new rows and proposes level 1, then
+        the heads expand the tree from ``h_t`` and ``x_{t+1}`` (row ``last``)."""
+        drafter = self.drafter
+        first = None if drafter is None else drafter.advance(model, rows, tokens, start, last, cache)
+        hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
+        return self.expand(model, hidden, token, width, topk, first, topk_chunk, levels)
+
     def config(self) -> dict[str, int | str]:
         return {"kind": "hydra", "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "conditioning": self.conditioning}
 
 
 HeadsModule = MedusaHeads | HydraHeads | DrafterTree
-"""Either concrete kind, as built, trained and saved (``drafters.protocol.DraftHeads`` is what decoding
+"""Any concrete kind, as built, trained and saved (``drafters.protocol.Proposer`` is what decoding
 sees)."""

@@ -26,14 +26,18 @@ file functions in ``files.py`` (which build either kind from the manifest).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elesium.inference.drafters.protocol import DraftContext, Proposal
+from elesium.inference.runtime.drafting import Drafted, DrafterCache, scored_topk
+
 if TYPE_CHECKING:
     from elesium.inference.drafters.attention_drafter import FeatureDrafter
+    from elesium.inference.runtime.forward import ForwardRunner
     from elesium.inference.runtime.model import Transformer
 
 
@@ -60,8 +64,9 @@ class MedusaHeads(nn.Module):
         logits = heads.head_logits(engine.model, hidden)                    # [K, B, V] float32
     """
 
-    # The ``drafters.protocol.FactoredHeads`` members that are not modules or methods.
-    conditioned: Literal[False] = False  # drafts do not depend on the path: one top-k list per depth
+    # The ``drafters.protocol.Proposer`` members that are not modules or methods.
+    # Drafts read the hidden state alone (one top-k list per depth), so the verify forward scores them.
+    fuses_drafts = True
     drafter: FeatureDrafter | None = None  # never set: the attention drafter pairs with Hydra heads
     source_sha256: str = ""  # set by load_heads to the files' sha256
 
@@ -99,6 +104,35 @@ class MedusaHeads(nn.Module):
                        next_tokens: torch.Tensor) -> torch.Tensor:
         """Same signature as ``HydraHeads.teacher_forced``; Medusa heads ignore the tokens."""
         return self(hidden)
+
+    # -- drafters.protocol.Proposer ---------------------------------------------------------------
+    def new_cache(self, max_len: int, device: torch.device) -> DrafterCache | None:
+        return None
+
+    def fused_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self(hidden)
+
+    def draft_tree(self, model: Transformer, rows: torch.Tensor, tokens: torch.Tensor,
+                   start: int | torch.Tensor, last: torch.Tensor, width: int, topk: int,
+                   cache: DrafterCache | None, topk_chunk: int | None = None,
+                   levels: int | None = None) -> Drafted:
+        raise TypeError("Medusa heads read the hidden state alone: they draft inside the verify forward "
+                        "(fused_states), never after it")
+
+    def prefill(self, runner: ForwardRunner, hidden: torch.Tensor, next_tokens: list[int],
+                start: int = 0) -> None:
+        return None  # nothing kept between steps
+
+    def propose(self, runner: ForwardRunner, context: DraftContext, topk: int, width: int,
+                levels: int) -> Proposal:
+        """Every head's top-k at ``h_t``: the verify forward's (``context.fused``) where it scored them,
+        else computed now (the first step after a prefill)."""
+        if context.fused is not None:
+            tokens, logprobs = context.fused
+        else:
+            tokens, logprobs = scored_topk(runner.model, self(context.rows[-1]), topk)
+            tokens, logprobs = tokens.cpu(), logprobs.float().cpu()
+        return Proposal(tokens[:, :topk], logprobs[:, :topk])
 
     def config(self) -> dict[str, int | str]:
         return {"kind": "medusa", "num_heads": self.num_heads, "num_layers": self.num_layers,

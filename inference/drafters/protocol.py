@@ -1,39 +1,76 @@
-"""What the tree decoder, the forward runner and the tuner may call on draft heads.
+"""The one interface the tree decoder drafts through: ``Proposer.propose``, in the manner of vLLM's
+spec-decode proposers.
 
-Two kinds of heads draft differently, and the decoder takes a different path for each:
+Every kind of draft heads (Medusa ``medusa.py``, Hydra ``hydra.py`` with or without the attention
+drafter, the drafter tree ``drafter_tree.py``) is a ``Proposer``. The decoder hands each step the same
+``DraftContext`` (the positions accepted since the last proposal and, where the verify forward
+already scored the heads, those drafts) and gets back a ``Proposal`` in one layout; it never asks
+which kind it holds. What differs between the kinds stays behind the methods:
 
-* ``FactoredHeads`` (Medusa, ``medusa.py``) read only the hidden state: one call gives every head's
-  output, head d's top-k list is the same under every parent, and the runner can fuse the next
-  step's drafting into the verification forward.
-* ``ExpandingHeads`` (Hydra, ``hydra.py``) read the tokens drafted before them, so the tree is
-  expanded level by level after the step chose its bonus token (``expand``), optionally with an
-  attention drafter (``attention_drafter.py``) proposing level 1.
+* where the drafts are computed: inside the verify forward (heads that read the hidden state alone,
+  ``fuses_drafts``) or after the bonus token is chosen (path-conditioned heads, ``draft_tree``,
+  which the runner may replay as a CUDA graph and the tree chain captures inside its step);
+* what they keep between steps: nothing, or a drafter cache beside the base model's (``new_cache``,
+  written by ``prefill`` and by ``draft_tree``).
 
-``DraftHeads`` is either; ``expands`` tells them apart for the type checker and at run time. Both
-kinds are ``nn.Module``s, but only the members below are the decoder's business: anything else
-(``state_dict``, optimisers) belongs to the file format and the training loops, which work with
-the concrete classes.
+The runtime sits below this package and sees the heads only through ``runtime.drafting.StepDrafter``,
+which ``Proposer`` extends. Heads are ``nn.Module``s, but only the members below are the decoder's
+business: ``state_dict``, optimisers and the files belong to training and ``files.py``, which work
+with the concrete classes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from typing_extensions import TypeIs
 
-from elesium.inference.drafters.drafter_tree import DrafterTree
+from elesium.inference.runtime.drafting import StepDrafter
 
 if TYPE_CHECKING:
-    from elesium.inference.drafters.attention_drafter import FeatureDrafter
+    from elesium.inference.runtime.forward import ForwardRunner
     from elesium.inference.runtime.model import Transformer
 
 
-class _HeadsBase(Protocol):
-    num_heads: int
-    """Draft depth: head k (1-based) guesses the token k places after the base model's next one."""
-    drafter: FeatureDrafter | None
-    """An attention drafter for level 1 (Hydra heads only; always None on Medusa heads)."""
+@dataclass(frozen=True)
+class DraftContext:
+    """What a proposer reads at a step.
+
+    ``rows`` ``[R, H]`` are the hidden states of the positions accepted since the last proposal,
+    written from slot ``row_start``; ``row_tokens`` the token that followed each, the last being the
+    pending token ``x_{t+1}`` (so ``rows[-1]`` is ``h_t``). ``fused``: the heads' top-k tokens and
+    log-probabilities ``[heads, DRAFT_TOPK]`` at the kept node, on the CPU, when the verify forward
+    computed them (``StepOutputs.draft_tokens``); None otherwise.
+    """
+
+    rows: torch.Tensor
+    row_tokens: list[int]
+    row_start: int
+    fused: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A step's draft candidates: rows of top-k ``tokens`` and their draft ``logprobs`` ``[rows, k]``.
+
+    ``parents`` ``[rows]`` places each row in the tree: rows are concatenated over levels (level 0 is
+    one row, the root's children; each later level ``min(width, rows * k)`` rows), and a row extends
+    candidate ``parents[i] = row * k + rank`` of the level before (``HydraHeads.expand``'s layout).
+    None: row d is depth d + 1's list under every parent (heads that read the hidden state alone),
+    so every path of ranks < k exists. Tensors may be views into a runner's static buffers: read them
+    before the next forward.
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    parents: torch.Tensor | None = None
+    width: int = 0
+
+
+class Proposer(StepDrafter, Protocol):
+    """Draft heads as the decoder, the runner, the tuner and the engine see them."""
+
     source_sha256: str
     """sha256 of the files the heads were loaded from ("" when built in memory); profiles match on it."""
 
@@ -49,35 +86,18 @@ class _HeadsBase(Protocol):
         """Every head's output ``[K, ..., H]`` along a known path (training, scoring, calibration)."""
         ...
 
+    def prefill(self, runner: ForwardRunner, hidden: torch.Tensor, next_tokens: list[int],
+                start: int = 0) -> None:
+        """Take in prompt rows: ``hidden[i]`` (slot ``start + i``) paired with ``next_tokens[i]``, the
+        token after it. A no-op for heads that keep no cache."""
+        ...
 
-class FactoredHeads(_HeadsBase, Protocol):
-    """Heads that read the hidden state alone (Medusa)."""
-
-    conditioned: Literal[False]
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Every head's transformed state ``[K, ..., H]`` for hidden states ``[..., H]``."""
+    def propose(self, runner: ForwardRunner, context: DraftContext, topk: int, width: int,
+                levels: int) -> Proposal:
+        """This step's candidates: ``topk`` per drafted row, ``width`` paths kept per level by heads that
+        expand a tree, at most ``levels`` deep where drafting level by level."""
         ...
 
 
-class ExpandingHeads(_HeadsBase, Protocol):
-    """Heads whose drafts depend on the path drafted so far (Hydra)."""
-
-    conditioned: Literal[True]
-
-    def expand(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor, width: int, topk: int,
-               first: torch.Tensor | None = None, topk_chunk: int | None = None,
-               levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A candidate tree as (tokens, logprobs, parents) over levels; ``HydraHeads.expand`` has the
-        layout."""
-        ...
-
-
-DraftHeads = FactoredHeads | ExpandingHeads | DrafterTree
-"""``DrafterTree`` (``drafter_tree.py``) drafts path by path too (``expands`` is true for it) but expands
-through the drafter's cache; ``forward.draft_tree`` tells it apart."""
-
-
-def expands(heads: DraftHeads) -> TypeIs[ExpandingHeads]:
-    """Whether ``heads`` draft path by path (Hydra) rather than one list per depth (Medusa)."""
-    return heads.conditioned
+DraftHeads = Proposer
+"""The name the engine and the tests use for the heads a runner holds."""

@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
-from elesium.inference.drafters.protocol import DraftHeads, expands
-from elesium.inference.runtime.forward import DRAFT_TOPK, ForwardRunner, StepOutputs, draft_topk
+from elesium.inference.runtime.drafting import DRAFT_TOPK, StepDrafter, scored_topk
+from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.model import KVCache, Transformer
+from elesium.inference.runtime.step_outputs import StepOutputs
 
 WINDOW = 256
 """Granularity of the attention window (cache slots): a step reads the first multiple of this that
@@ -136,7 +137,7 @@ class CompiledCpuRunner(ForwardRunner):
     ``compiled=False`` runs ``step_forward`` eagerly: the reference the tests hold the graphs to.
     """
 
-    def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None,
+    def __init__(self, model: Transformer, cache: KVCache, heads: StepDrafter | None = None,
                  compiled: bool = True) -> None:
         super().__init__(model, cache, heads)
         self.compiled = compiled
@@ -172,6 +173,6 @@ class CompiledCpuRunner(ForwardRunner):
         self.cache.v[:, :, :, offset:offset + n] = values
         if not (drafts and self.fuses_drafts):
             return StepOutputs(hidden[0], logits[0], greedy[0])
-        assert self.heads is not None and not expands(self.heads)
-        top_tokens, top_logprobs = draft_topk(self.model, self.heads, hidden[0], DRAFT_TOPK)
+        assert self.heads is not None
+        top_tokens, top_logprobs = scored_topk(self.model, self.heads.fused_states(hidden[0]), DRAFT_TOPK)
         return StepOutputs(hidden[0], logits[0], greedy[0], top_tokens, top_logprobs)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from elesium.inference.runtime.forward import StepOutputs
+from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.inference.sampling import SamplingParams, sample_on_device, target_probs
 
 LOOKAHEAD = 3

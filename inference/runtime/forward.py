@@ -8,99 +8,57 @@ path passes a Python int and attends over just the live cache slots. Both comput
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from elesium.inference.drafters.drafter_tree import DrafterTree
-from elesium.inference.drafters.protocol import DraftHeads, ExpandingHeads, FactoredHeads, expands
-from elesium.inference.drafters.top_logprobs import HAS_TOPK_KERNEL
+from elesium.inference.runtime.decode_chain import STATE, DecodeChain, chain_body
+from elesium.inference.runtime.drafting import DRAFT_TOPK, Drafted, DrafterCache, StepDrafter
 from elesium.inference.runtime.model import KVCache, Transformer
-
-if TYPE_CHECKING:
-    from elesium.inference.runtime.decode_chain import DecodeChain
-    from elesium.inference.runtime.tree_chain import ChainGraphs, TreeChain, TreeShape
-    from elesium.inference.sampling import SamplingParams
+from elesium.inference.runtime.step_outputs import StepOutputs
+from elesium.inference.sampling import SamplingParams
 
 PREFILL_CHUNK = 512
 T = TypeVar("T")
 DRAFT_TOPK_CHUNK = 1024  # the slice width of the chains' drafting top-k on CUDA (CudaGraphRunner)
-DRAFT_TOPK = 10  # candidates per head computed in a fused step; trees use at most this many ranks
-MAX_CHAIN_GRAPHS = 8  # sampling settings that get their own self-feeding vanilla graph per runner
+MAX_CHAIN_GRAPHS = 8  # sampling settings that get their own self-feeding graph per runner
 TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Tree sizes (nodes, root included) that get their own CUDA graph: a tree runs in the smallest bucket
 that holds it. The tuner measures the forward's cost at the same sizes, so its curve covers exactly
 the shapes the graphs replay."""
+HAS_TOPK_KERNEL = importlib.util.find_spec("triton") is not None
+"""Whether drafting's sliced top-k can run as the Triton kernels (``top_logprobs.py``)."""
 
+Capture = Callable[[Callable[[], Any]], tuple[Any, Any]]
+"""Warm a step body up and capture it: ``CudaGraphRunner._record`` (two real runs, then a graph); tests
+pass an eager stand-in whose ``replay()`` runs the body."""
 
-@dataclass
-class StepOutputs:
-    """What one verification forward yields, all still on the model's device.
-
-    ``draft_tokens`` / ``draft_logprobs`` (``[N, heads, DRAFT_TOPK]``) are the heads' proposals at
-    every node, present when the runner fuses drafting into the step (CUDA graphs): the next
-    step's drafts are then a row lookup at the accepted node instead of another round of launches.
-    """
-
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    greedy: torch.Tensor
-    draft_tokens: torch.Tensor | None = None
-    draft_logprobs: torch.Tensor | None = None
-
-
-def draft_topk(model: Transformer, heads: FactoredHeads, hidden: torch.Tensor,
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heads' top-k tokens and log-probabilities, ``[..., heads, k]``, for hidden states ``[..., H]``."""
-    logits = model.logits(heads(hidden)).movedim(0, -2)  # [..., heads, V]
-    top = torch.topk(logits, k, dim=-1)
-    return top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
-
-
-def draft_tree(model: Transformer, heads: ExpandingHeads, rows: torch.Tensor, tokens: torch.Tensor,
-               start: int | torch.Tensor,
-               last: torch.Tensor, width: int, topk: int,
-               drafter_cache: tuple[torch.Tensor, torch.Tensor] | None, topk_chunk: int | None = None,
-               levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A step's drafting for path-conditioned heads: advance the drafter, then expand the tree.
-
-    ``rows`` ``[R, H]`` are the hidden states of the positions written since the drafter last ran
-    (the accepted nodes, at slots ``start...``), ``tokens`` ``[R]`` the token that followed each; row
-    ``last`` (a ``[1]`` index tensor) is ``h_t`` and its token the chosen ``x_{t+1}``. Rows past
-    ``last`` are padding (the CUDA graph runs a fixed R): they write drafter slots that the next
-    call overwrites, and causal attention keeps them out of the real rows. With an ``int`` start
-    this runs eagerly over the live slots; with a 0-d tensor it is static for capture.
-    """
-    drafter = heads.drafter
-    first = None
-    if drafter is not None:
-        if drafter_cache is None:
-            raise ValueError("these heads carry a drafter, but no drafter cache was given")
-        r = rows.shape[0]
-        # Clamp only matters for padding rows at the very end of the context.
-        positions = (start + torch.arange(r, device=rows.device)).clamp(max=model.rope_cos.shape[0] - 1)
-        feats = drafter(model, rows[None], tokens[None], positions, *drafter_cache, start, model.causal(r))[0]
-        first = feats.index_select(0, last)
-    hidden, token = rows.index_select(0, last)[0], tokens.index_select(0, last)
-    if isinstance(heads, DrafterTree):  # the drafter drafts every level, through its own cache
-        assert first is not None and drafter_cache is not None
-        # Eager callers pass no padding rows: the host knows the root slot, and attention spans the live
-        # slots only. The graphs' root stays on the device.
-        root = start + int(last) if isinstance(start, int) else (start + last).reshape(())
-        return heads.expand(model, first, token, width, topk, drafter_cache, root, topk_chunk, levels)
-    return heads.expand(model, hidden, token, width, topk, first, topk_chunk, levels)
+__all__ = ["DRAFT_TOPK", "Capture", "CudaGraphRunner", "ForwardRunner", "StepOutputs"]
 
 
 class ForwardRunner:
-    """Eager forwards over one KV cache (batch 1), plus the heads' drafter cache when they carry one."""
+    """Eager forwards over one KV cache (batch 1), plus the heads' own cache when they keep one.
 
-    def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None) -> None:
+    The heads are held as ``StepDrafter``s: the runner runs their drafting where a step needs it
+    (fused into the verify forward, or ``expand``) and never asks which kind they are.
+    """
+
+    tree_chains = False  # whether self-feeding tree steps may be captured (``capture``); CUDA graphs only
+    compile_tree_logic = False  # the chain's tree logic through torch.compile (CudaGraphRunner)
+    # The chain's drafting top-k in slices of this width (``HydraHeads.expand``); None: the reference form.
+    draft_topk_chunk: int | None = None
+
+    def __init__(self, model: Transformer, cache: KVCache, heads: StepDrafter | None = None) -> None:
         self.model = model
         self.cache = cache
-        self.heads: DraftHeads | None = None
-        self.drafter_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.heads: StepDrafter | None = None
+        self.drafter_cache: DrafterCache | None = None
+        # Captured self-feeding tree steps (``decoding/tree_chain.py``) with the buffers they read, kept
+        # here because they bake in this runner's cache and heads: dropped with the heads.
+        self.chain_graphs: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+        self.tree_chains_started = 0  # generations whose tree steps ran on a chain (tests, benchmarks)
         ForwardRunner.set_heads(self, heads)
 
     @property
@@ -112,30 +70,17 @@ class ForwardRunner:
         """Most rows one drafting call takes: a step accepts at most one node per level plus the root."""
         return 1 if self.heads is None else self.heads.num_heads + 1
 
-    def set_heads(self, heads: DraftHeads | None) -> None:
-        self.heads = heads
-        drafter = None if heads is None else heads.drafter
-        # Slack past the context for the graph runner's padding rows.
-        # A drafter tree writes its level rows past the last slot a real or padding row writes.
-        scratch = heads.scratch_slots if isinstance(heads, DrafterTree) else 0
-        self.drafter_cache = None if drafter is None else drafter.new_cache(
-            self.cache.max_len + self.draft_rows + scratch, self.device, drafter.dtype)
+    @property
+    def capture(self) -> Capture | None:
+        """How callers above the runtime capture a step of their own (the tree chain); None: eagerly only."""
+        return None
 
-    def prefill_drafter(self, heads: DraftHeads, hidden: torch.Tensor, next_tokens: list[int],
-                        start: int = 0) -> None:
-        """Write prompt rows into the drafter cache: ``hidden[i]`` (slot ``start + i``) paired with
-        ``next_tokens[i]``, the token after it. A no-op for heads without a drafter."""
-        drafter = heads.drafter
-        if drafter is None or not next_tokens:
-            return
-        if heads is not self.heads or self.drafter_cache is None:
-            raise ValueError("the drafter's cache belongs to the runner's own heads")
-        tokens = torch.tensor(next_tokens, device=self.device)
-        for lo in range(0, len(next_tokens), PREFILL_CHUNK):
-            hi = min(lo + PREFILL_CHUNK, len(next_tokens))
-            positions = torch.arange(start + lo, start + hi, device=self.device)
-            drafter(self.model, hidden[None, lo:hi], tokens[None, lo:hi], positions, *self.drafter_cache,
-                    start + lo, self.model.causal(hi - lo))
+    def set_heads(self, heads: StepDrafter | None) -> None:
+        self.heads = heads
+        self.chain_graphs.clear()
+        # Slack past the context for the graph runner's padding rows; the heads add their own.
+        self.drafter_cache = None if heads is None else heads.new_cache(
+            self.cache.max_len + self.draft_rows, self.device)
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
                      draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:
@@ -143,31 +88,23 @@ class ForwardRunner:
         (CUDA graphs); None here: eager steps are synchronous anyway."""
         return None
 
-    def tree_chain(self, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
-                   row_tokens: list[int], row_start: int, draft_temperature: float, limit: int,
-                   params: SamplingParams, draw: Callable[[int], torch.Tensor] | None,
-                   max_tokens: int | None) -> TreeChain | None:
-        """Self-feeding tree steps (``runtime.tree_chain``) where the runner has them (CUDA graphs);
-        None here."""
-        return None
-
     @property
     def fuses_drafts(self) -> bool:
-        """Whether verification steps also compute the next step's drafts (Medusa heads only: Hydra
-        heads need the bonus token, which is chosen after the step)."""
-        return self.heads is not None and not expands(self.heads)
+        """Whether verification steps also compute the next step's drafts (heads that read the hidden
+        state alone; path-conditioned heads need the bonus token, which is chosen after the step)."""
+        return self.heads is not None and self.heads.fuses_drafts
 
-    def expand(self, heads: ExpandingHeads, rows: torch.Tensor, tokens: list[int], start: int, width: int,
-               topk: int, levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hydra heads' candidate tree (``draft_tree``): ``rows`` ``[R, H]`` are the positions written
-        since the last call, from slot ``start``; ``tokens`` the token after each, the last being the
-        chosen ``x_{t+1}``; ``levels``: how deep to draft (``HydraHeads.expand``)."""
-        if heads.drafter is not None and heads is not self.heads:
-            raise ValueError("the drafter's cache belongs to the runner's own heads")
+    def expand(self, heads: StepDrafter, rows: torch.Tensor, tokens: list[int], start: int, width: int,
+               topk: int, levels: int | None = None) -> Drafted:
+        """Path-conditioned heads' candidate tree (``StepDrafter.draft_tree``): ``rows`` ``[R, H]`` are the
+        positions written since the last call, from slot ``start``; ``tokens`` the token after each, the
+        last being the chosen ``x_{t+1}``; ``levels``: how deep to draft (``HydraHeads.expand``). Only
+        the runner's own heads get its drafter cache."""
         dev = self.device
-        return draft_tree(self.model, heads, rows, torch.tensor(tokens, device=dev), start,
-                          torch.tensor([len(tokens) - 1], device=dev), width, topk, self.drafter_cache,
-                          levels=levels)
+        cache = self.drafter_cache if heads is self.heads else None
+        last = torch.tensor([len(tokens) - 1], device=dev)
+        return heads.draft_tree(self.model, rows, torch.tensor(tokens, device=dev), start, last, width, topk,
+                                cache, levels=levels)
 
     def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
         """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
@@ -186,13 +123,13 @@ class ForwardRunner:
                      offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:
         """The step's whole device computation; the graph runner captures exactly this."""
         hidden = self.model(tokens, positions, self.cache, offset, ancestors)[0]
-        if not with_drafts or self.heads is None or expands(self.heads):
+        if not with_drafts or self.heads is None or not self.heads.fuses_drafts:
             logits = self.model.logits(hidden)
             return StepOutputs(hidden, logits, logits.argmax(-1))
         # One lm_head product for the nodes and every head at every node: the 49k x H weight is
         # read once, which is most of its cost on a CPU and one launch fewer on a GPU.
         n = hidden.shape[0]
-        drafted = self.heads(hidden)  # [K, N, H]
+        drafted = self.heads.fused_states(hidden)  # [K, N, H]
         every = self.model.logits(torch.cat([hidden, drafted.flatten(0, 1)]))
         logits = every[:n]
         head_logits = every[n:].view(drafted.shape[0], n, -1).movedim(0, 1)  # [N, K, V]
@@ -227,7 +164,7 @@ class CudaGraphRunner(ForwardRunner):
     off the outputs.
     """
 
-    def __init__(self, model: Transformer, cache: KVCache, heads: DraftHeads | None = None,
+    def __init__(self, model: Transformer, cache: KVCache, heads: StepDrafter | None = None,
                  buckets: tuple[int, ...] = TREE_BUCKETS) -> None:
         super().__init__(model, cache, heads)
         self.buckets = tuple(sorted(set(buckets)))
@@ -245,15 +182,18 @@ class CudaGraphRunner(ForwardRunner):
         self._chains: dict[tuple[float, int, float], tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
         self._chain_io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.chains = True  # off: vanilla steps take the synchronous bucket-1 graph (A/B runs)
-        # The self-feeding tree steps (tree_chain), one graph per tree shape and sampling setting,
-        # with their buffers.
-        self._tree_chains: ChainGraphs = {}
+        # The self-feeding tree steps (``decoding/tree_chain.py``) are captured through ``capture`` into
+        # ``chain_graphs``, one graph per tree shape and sampling setting.
         self.tree_chains = True  # off: tree steps go through the host (A/B runs)
         self.compile_tree_logic = True  # off: the chain's tree logic runs as eager kernels (A/B runs)
         # The chain's drafting top-k in slices of this width (``HydraHeads.expand``), which on CUDA is
         # the two-stage Triton kernel (kernels/topk_logprobs.py): 0.67 against 0.74 ms/token for the
         # reference form at T = 0 on the H200 (BENCHMARKS §6j). None: the reference form (A/B runs).
-        self.draft_topk_chunk: int | None = DRAFT_TOPK_CHUNK if HAS_TOPK_KERNEL else None
+        self.draft_topk_chunk = DRAFT_TOPK_CHUNK if HAS_TOPK_KERNEL else None
+
+    @property
+    def capture(self) -> Capture | None:
+        return self._record
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
                      draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:
@@ -266,8 +206,6 @@ class CudaGraphRunner(ForwardRunner):
         generation's uniforms when sampling (float64, one per token the chain may take); it is called
         only once the chain is sure to start, so a caller that falls back still has them.
         """
-        from elesium.inference.runtime.decode_chain import STATE, DecodeChain, chain_body
-
         limit = self.cache.max_len
         key = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
         if not self.chains or offset + 2 > limit or (
@@ -286,31 +224,15 @@ class CudaGraphRunner(ForwardRunner):
             self._chains[key] = self._record(chain_body(self.step_outputs, state, self_row, draws, params))
         return DecodeChain(self._chains[key][0], state, token, offset, limit)
 
-    def tree_chain(self, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
-                   row_tokens: list[int], row_start: int, draft_temperature: float, limit: int,
-                   params: SamplingParams, draw: Callable[[int], torch.Tensor] | None,
-                   max_tokens: int | None) -> TreeChain | None:
-        """Tree steps that feed themselves on the device (``tree_chain.start_tree_chain``), one graph
-        per tree shape and sampling setting (at most ``MAX_CHAIN_GRAPHS`` settings' worth), captured
-        on first use; None without expanding heads of the runner's own."""
-        from elesium.inference.runtime.tree_chain import start_tree_chain
-
-        if not self.tree_chains:
-            return None
-        return start_tree_chain(self, self._tree_chains, self._record, shape, pending, offset, rows,
-                                row_tokens, row_start, draft_temperature, limit, params, draw, max_tokens,
-                                MAX_CHAIN_GRAPHS)
-
-    def set_heads(self, heads: DraftHeads | None) -> None:
+    def set_heads(self, heads: StepDrafter | None) -> None:
         """New heads invalidate every captured graph (they baked in the old weights' addresses)."""
         super().set_heads(heads)
         self._graphs.clear()
         self._expanders.clear()
-        self._tree_chains.clear()
 
     @torch.inference_mode()
-    def expand(self, heads: ExpandingHeads, rows: torch.Tensor, tokens: list[int], start: int, width: int,
-               topk: int, levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expand(self, heads: StepDrafter, rows: torch.Tensor, tokens: list[int], start: int, width: int,
+               topk: int, levels: int | None = None) -> Drafted:
         """Replay the drafting graph for (width, topk, levels): the drafter and the levels become one
         replay.
 
@@ -336,9 +258,9 @@ class CudaGraphRunner(ForwardRunner):
         if captured is None:
             ints = io["ints"]
 
-            def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                return draft_tree(self.model, heads, io["rows"], ints[:r_max], ints[r_max],
-                                  ints[r_max + 1:], width, topk, self.drafter_cache, levels=levels)
+            def body() -> Drafted:
+                return heads.draft_tree(self.model, io["rows"], ints[:r_max], ints[r_max],
+                                        ints[r_max + 1:], width, topk, self.drafter_cache, levels=levels)
 
             graph, outs = self._record(body)
             captured = self._expanders[key] = (graph, io, outs)

@@ -16,14 +16,35 @@ the inputs are on CUDA and there is no padding mask (``kv_valid``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from elesium.inference.runtime.config import ModelConfig
 from elesium.kernels.fused_pointwise import add_rms_norm, rope_qkv_to_cache, swiglu
 
-if TYPE_CHECKING:
-    from elesium.inference.runtime.model import KVCache, Offset, Transformer
+Offset = int | torch.Tensor
+"""``runtime.model.Offset``: the first cache slot of the new tokens."""
+
+
+class FusedModel(Protocol):
+    """The parts of ``Transformer`` this forward reads. Structural, because ``Transformer.forward``
+    calls into this module: naming the class here would make the two modules import each other."""
+
+    config: ModelConfig
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    layers: nn.ModuleList
+    norm: nn.Module
+    embed: nn.Module
+
+
+class FusedCache(Protocol):
+    """``runtime.model.KVCache``'s per-layer keys and values ``[layers, B, kv_heads, max_len, D]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset,
@@ -42,7 +63,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, offse
     return out.transpose(1, 2).reshape(b, n, hq * d)
 
 
-def fused_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+def fused_forward(model: FusedModel, tokens: torch.Tensor, positions: torch.Tensor, cache: FusedCache,
                   offset: Offset, ancestors: torch.Tensor) -> torch.Tensor:
     """``Transformer.forward`` (same arguments, no ``kv_valid``) with fused elementwise kernels."""
     c = model.config

@@ -11,14 +11,16 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elesium.inference.decoding.tree_policy import TreePolicy
-from elesium.inference.engine import Engine
 from elesium.inference.records import DecodeMode, Generation, normalize_mode
 from elesium.inference.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from elesium.inference.engine import Engine
 
 
 def _ms_per_token(g: Generation) -> float:

@@ -14,13 +14,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from elesium.inference.decoding.tree import Tree
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.drafters.drafter_tree import DrafterTree
-from elesium.inference.engine import Engine
 from elesium.inference.runtime.forward import TREE_BUCKETS
 from elesium.inference.sampling import SamplingParams
 from elesium.inference.tuning.profile import (
@@ -30,6 +30,9 @@ from elesium.inference.tuning.profile import (
     profile_weights,
     weights_of,
 )
+
+if TYPE_CHECKING:
+    from elesium.inference.engine import Engine
 
 
 def _sync(engine: Engine) -> None:

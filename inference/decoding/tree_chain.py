@@ -3,7 +3,7 @@
 The host tree step (``decoding/speculative.py``) synchronises twice: it reads the drafts back to
 choose the tree, and the verify forward's argmax back to walk it, with the GPU idle while Python
 works (BENCHMARKS.md §6e: a 2.7 ms step holding 1.7 ms of GPU work). Here one captured graph goes
-from one step's accepted tokens to the next step's: the drafter and the heads (``draft_tree``), the
+from one step's accepted tokens to the next step's: the heads' drafting (``StepDrafter.draft_tree``), the
 tree chosen on the device (``device_tree.py``), the verify forward, acceptance (greedy, or exact
 rejection sampling), the move of the accepted path's K/V to contiguous slots, and the state the next
 step starts from. Like the vanilla
@@ -51,14 +51,11 @@ from elesium.inference.decoding.device_tree import (
     candidate_scores,
     device_tree,
 )
-from elesium.inference.drafters.protocol import ExpandingHeads, expands
-from elesium.inference.runtime.forward import ForwardRunner, StepOutputs, draft_tree
+from elesium.inference.runtime.drafting import DrafterCache, StepDrafter
+from elesium.inference.runtime.forward import MAX_CHAIN_GRAPHS, ForwardRunner
 from elesium.inference.runtime.model import KVCache, Transformer
+from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.inference.sampling import SamplingParams, target_probs
-
-Capture = Callable[[Callable[[], torch.Tensor]], tuple[Any, torch.Tensor]]
-"""Warm a step body up and capture it: ``CudaGraphRunner._record`` (two real runs, then a graph); tests
-pass an eager stand-in whose ``replay()`` runs the body."""
 
 LOOKAHEAD = 2
 """Steps in flight ahead of the one being read. A step is ~2 vanilla forwards long, so two already
@@ -128,8 +125,8 @@ def tree_logic(layout: ExpansionLayout, count: int, depth: int, greedy: bool, co
             torch.compile(accept, fullgraph=True, dynamic=False))
 
 
-def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
-                   drafter_cache: tuple[torch.Tensor, torch.Tensor] | None,
+def tree_step_body(model: Transformer, heads: StepDrafter, cache: KVCache,
+                   drafter_cache: DrafterCache | None,
                    step: Callable[..., StepOutputs], ints: torch.Tensor, rows: torch.Tensor,
                    temperature: torch.Tensor, record: torch.Tensor, shape: TreeShape,
                    params: SamplingParams, draws: torch.Tensor, compiled: bool = False,
@@ -151,9 +148,8 @@ def tree_step_body(model: Transformer, heads: ExpandingHeads, cache: KVCache,
         # still reads it.
         lanes = torch.arange(r, device=ints.device)
         pending, offset, start = ints[0], ints[1], ints[2]
-        tokens, logprobs, parents = draft_tree(model, heads, rows, ints[INTS:INTS + r], start,
-                                               ints[3:4], shape.width, shape.topk, drafter_cache,
-                                               topk_chunk)
+        tokens, logprobs, parents = heads.draft_tree(model, rows, ints[INTS:INTS + r], start, ints[3:4],
+                                                     shape.width, shape.topk, drafter_cache, topk_chunk)
         tree = choose(pending, tokens, logprobs, parents, temperature)
         node_tokens, _, node_depth, ancestors = tree
         out = step(node_tokens.view(1, -1), offset + node_depth, ancestors, offset, with_drafts=False)
@@ -252,27 +248,30 @@ ChainGraphs = dict[tuple[TreeShape, SamplingKey, bool, int | None], tuple[Any, t
 """Captured steps by (tree shape, sampling setting, compiled tree logic, drafting's top-k chunk)."""
 
 
-def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Capture, shape: TreeShape,
-                     pending: int, offset: int, rows: torch.Tensor, row_tokens: list[int], row_start: int,
-                     draft_temperature: float, limit: int, params: SamplingParams,
-                     draw: Callable[[int], torch.Tensor] | None = None, max_tokens: int | None = None,
-                     max_graphs: int | None = None) -> TreeChain | None:
+def start_tree_chain(runner: ForwardRunner, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
+                     row_tokens: list[int], row_start: int, draft_temperature: float, limit: int,
+                     params: SamplingParams, draw: Callable[[int], torch.Tensor] | None = None,
+                     max_tokens: int | None = None, max_graphs: int | None = MAX_CHAIN_GRAPHS,
+                     ) -> TreeChain | None:
     """A chain from the host decoder's state: ``rows`` ``[n, H]`` (n <= heads + 1) written from slot
     ``row_start``, each paired with its entry of ``row_tokens``, the last one with ``pending``.
 
-    ``graphs`` keeps one captured step per (shape, sampling setting) with the buffers it reads (kept
-    alive, so neither the allocator nor later captures reuse them); past ``max_graphs`` of them a new
-    setting gets no chain. Capture happens on first use with the call's real state: warm-up runs two
-    real steps, whose writes lie at or past ``offset`` except the drafter row at ``row_start``, which
-    gets the value the first replay writes again; then the state is set back. ``draw(n)`` gives the
+    ``runner.chain_graphs`` keeps one captured step (through ``runner.capture``) per (shape, sampling
+    setting) with the buffers it reads (kept alive, so neither the allocator nor later captures reuse
+    them); past ``max_graphs`` of them a new setting gets no chain. Capture happens on first use with
+    the call's real state: warm-up runs two real steps, whose writes lie at or past ``offset`` except
+    the drafter row at ``row_start``, which gets the value the first replay writes again; then the
+    state is set back. ``draw(n)`` gives the
     generation's next ``n`` uniforms (float64) when sampling; it is called only once the chain is
     sure to start, for ``nodes`` uniforms a step and as many steps as tokens may still be taken
     (``max_tokens``, at most the cache's free slots): each step commits at least one. None where the
-    runner has no expanding heads of its own, or the cache cannot hold the first steps.
+    runner captures no steps (or has them off), its heads draft inside the verify forward (there is no
+    drafting after the bonus token to capture), or the cache cannot hold the first steps.
     """
-    heads = runner.heads
-    if heads is None or not expands(heads):
+    heads, capture = runner.heads, runner.capture
+    if heads is None or heads.fuses_drafts or capture is None or not runner.tree_chains:
         return None
+    graphs: ChainGraphs = runner.chain_graphs
     depth = heads.num_heads
     r = depth + 1
     nodes = min(shape.nodes, ExpansionLayout.of(depth, shape.width, shape.topk).candidates + 1)
@@ -280,8 +279,7 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
     limit = min(limit, runner.cache.max_len)
     if len(row_tokens) > r or offset + 3 * r + nodes > limit:
         return None
-    compiled = bool(getattr(runner, "compile_tree_logic", False))
-    chunk = getattr(runner, "draft_topk_chunk", None)
+    compiled, chunk = runner.compile_tree_logic, runner.draft_topk_chunk
     key = (shape, sampling_key(params), compiled, chunk)
     captured = graphs.get(key)
     if captured is None and max_graphs is not None and len(graphs) >= max_graphs:
@@ -321,5 +319,6 @@ def start_tree_chain(runner: ForwardRunner, graphs: ChainGraphs, capture: Captur
         graph, _ = capture(body)
         captured = graphs[key] = (graph, io + (body,))  # the body too: whatever it holds stays alive
         reset()
+    runner.tree_chains_started += 1
     return TreeChain(captured[0], ints, buf, record, nodes=nodes, depth=depth, offset=offset, limit=limit,
                      max_steps=max_steps)
