@@ -18,6 +18,12 @@ keeps what it had. A rejected estimate is not retried until the evidence moves i
 again. ``elesium tune --from-log`` rebuilds the counters from the stored runs and starts a trial the
 same way (:meth:`NodeCalibrator.rebuild`; ``adopt=True`` publishes directly, an operator override).
 
+Layering: every decision of the loop (which arm a run takes, whether an estimate goes on trial, a
+trial's verdict and the record of it) is taken in this module. :mod:`elesium.state.calibrations`
+only stores and reads (versions, pointers, counters, trial arms, each change one atomic write) and
+:mod:`elesium.inference.tuning.node_calibration` only computes (statistics, the estimate, the tree
+policy); neither calls back up.
+
 Determinism: a seeded sampled call's tokens depend on its trees, so a run's tokens are a function
 of (workflow version, input, seed, engine fingerprint, calibration versions). Re-executing a run
 (:func:`reexecute`) pins the versions it recorded, so it reproduces the run's tokens even after
@@ -31,17 +37,22 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from elesium.errors import UserError
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.tuning.node_calibration import (
+    ArmSamples,
     CalibrationBounds,
     NodeCalibration,
     NodeStats,
     apply,
     derive,
+    difference,
+    efficiency,
     material_change,
+    sample_counters,
     stats_by_node,
 )
 from elesium.state.acceptance_log import AcceptanceLog
@@ -75,6 +86,17 @@ class TrialRule:
     z: float = 1.28
     margin: float = 0.0
 
+    def outcome(self, trial: ArmSamples, incumbent: ArmSamples) -> bool | None:
+        """True: promote the trial version; False: reject it; None: not decided yet."""
+        if min(trial.n, incumbent.n) < self.min_runs:
+            return None
+        diff, se = difference(trial, incumbent)
+        if diff - self.z * se > self.margin * incumbent.mean:
+            return True
+        if diff + self.z * se < 0 or min(trial.n, incumbent.n) >= self.max_runs:
+            return False
+        return None
+
 
 @dataclass(frozen=True)
 class CalibrationRow:
@@ -97,18 +119,27 @@ class CalibrationRow:
     verdict: dict[str, Any] = field(default_factory=dict)
 
 
-def efficiency(stats: NodeStats, cost: Callable[[int], float] | None) -> float:
-    """Tokens per unit of forward time over the node's tree steps: with ``cost`` (the profile's cost
-    curve: time per verify forward by tree size) the time is modeled, which the machine's load does
-    not move; without it, the measured decode time."""
-    if cost is None:
-        return stats.tokens_per_s
-    modeled = sum(count * cost(size) for size, count in stats.sizes.items())
-    return stats.tokens / modeled if modeled > 0 else 0.0
+@dataclass(frozen=True)
+class _Trial:
+    """A running trial as the store holds it: the version on trial and the one it runs against (the
+    version that was current when it was published, recorded in its document as ``previous``)."""
+
+    label: str
+    incumbent: str
+
+    def arm(self, label: str | None) -> str | None:
+        """The arm a run that used ``label`` is a sample of; None for a version outside the trial."""
+        return label if label in (self.label, self.incumbent) else None
 
 
 class NodeCalibrator:
     """Chooses each node's tree policy and learns it from finished runs.
+
+    Every self-tuning decision is taken here, in one direction: read the store and the log
+    (:mod:`elesium.state`), compute with the pure statistics of
+    :mod:`elesium.inference.tuning.node_calibration`, decide, write the outcome back in one store
+    call. Neither layer below calls back up, so one run's fold can be followed top to bottom in
+    :meth:`fold_run`.
 
     Args:
         store: versions and counters.
@@ -135,7 +166,7 @@ class NodeCalibrator:
         self.rule = rule
         self.cost = cost
 
-    # -- choosing ---------------------------------------------------------------------------------
+    # -- reading the store ------------------------------------------------------------------------
     def calibration(self, workflow: str, node: str, label: str) -> NodeCalibration | None:
         """Version ``label``'s values (None for ``global``); raises CalibrationNotFoundError."""
         if label == GLOBAL:
@@ -147,6 +178,37 @@ class NodeCalibrator:
                 "database the run was recorded in")
         return NodeCalibration.from_dict(doc["policy"])
 
+    def current(self, workflow: str, node: str) -> tuple[str, NodeCalibration | None]:
+        label = self.store.current(workflow, node)
+        return label, self.calibration(workflow, node, label)
+
+    def _trial(self, workflow: str, node: str) -> _Trial | None:
+        label = self.store.trial(workflow, node)
+        if label is None:
+            return None
+        doc = self.store.get(workflow, node, label) or {}
+        return _Trial(label, str(doc.get("previous", GLOBAL)))
+
+    def _rejected(self, workflow: str, node: str) -> NodeCalibration | None:
+        """The policy of the node's last rejected trial (not proposed again until the estimate moves)."""
+        for verdict in reversed(self.store.decisions(workflow, node)):
+            if verdict.get("verdict") == "rejected":
+                doc = self.store.get(workflow, node, verdict["trial"])
+                return None if doc is None else NodeCalibration.from_dict(doc["policy"])
+        return None
+
+    def _label_of(self, run_id: str, node: str, labels: Mapping[str, str] | None) -> str | None:
+        if labels is not None:
+            return labels.get(node)
+        record = self.runs.get(run_id) if self.runs is not None else None
+        return None if record is None else record.calibrations.get(node)
+
+    def _node_stats(self, run_id: str) -> dict[str, NodeStats]:
+        """The run's per-node evidence; nodes with no tree step (vanilla only) carry none."""
+        return {node: stats for node, stats in stats_by_node(self.log.iter_entries(run_id)).items()
+                if stats.steps}
+
+    # -- choosing ---------------------------------------------------------------------------------
     def choose(self, base: TreePolicy, workflow: str, node: str,
                pinned: str | None) -> tuple[str, TreePolicy | None]:
         """(version label, policy to decode with; None = the engine's own) for one call of ``node``.
@@ -167,66 +229,57 @@ class NodeCalibrator:
         calib = self.calibration(workflow, node, label)
         return label, None if calib is None else apply(base, calib)
 
-    # -- learning ---------------------------------------------------------------------------------
-    def current(self, workflow: str, node: str) -> tuple[str, NodeCalibration | None]:
-        label = self.store.current(workflow, node)
-        return label, self.calibration(workflow, node, label)
+    # -- deciding ---------------------------------------------------------------------------------
+    def _end_trial(self, workflow: str, node: str, trial: _Trial, *, promote: bool,
+                   verdict: Mapping[str, Any]) -> bool:
+        """Store the verdict on ``trial`` (False: another fold stored one first). The record's shape is
+        the one stored since trials exist: ``verdict`` plus trial, incumbent, outcome and time."""
+        record = {**verdict, "trial": trial.label, "incumbent": trial.incumbent,
+                  "verdict": "promoted" if promote else "rejected",
+                  "decided": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        return self.store.end_trial(workflow, node, trial.label, trial.incumbent, make_current=promote,
+                                    record=record)
 
-    def _rejected(self, workflow: str, node: str) -> NodeCalibration | None:
-        """The policy of the node's last rejected trial (not proposed again until the estimate moves)."""
-        for verdict in reversed(self.store.decisions(workflow, node)):
-            if verdict.get("verdict") == "rejected":
-                doc = self.store.get(workflow, node, verdict["trial"])
-                return None if doc is None else NodeCalibration.from_dict(doc["policy"])
-        return None
-
-    def _judge(self, workflow: str, node: str, trial: str, row: CalibrationRow) -> CalibrationRow:
+    def _judge(self, workflow: str, node: str, trial: _Trial, row: CalibrationRow) -> CalibrationRow:
         """Decide ``trial`` by :class:`TrialRule`; else report it still running."""
         rule = self.rule
         assert rule is not None
-        doc = self.store.get(workflow, node, trial) or {}
-        incumbent = str(doc.get("previous", GLOBAL))
-        raw = {label: self.store.counters(workflow, node, arm=label) for label in (trial, incumbent)}
-        n = {label: int(c.get("trial_n", 0)) for label, c in raw.items()}
-        if min(n.values()) < rule.min_runs:
-            return dataclasses.replace(row, trial=trial, event="trial")
-        mean = {label: c.get("trial_sum", 0.0) / n[label] for label, c in raw.items()}
-        var = {label: max(0.0, (c.get("trial_sq", 0.0) - n[label] * mean[label] ** 2) / (n[label] - 1))
-               for label, c in raw.items()}
-        diff = mean[trial] - mean[incumbent]
-        se = math.sqrt(var[trial] / n[trial] + var[incumbent] / n[incumbent])
-        if diff - rule.z * se > rule.margin * mean[incumbent]:
-            promote = True
-        elif diff + rule.z * se < 0 or min(n.values()) >= rule.max_runs:
-            promote = False
-        else:
-            return dataclasses.replace(row, trial=trial, event="trial")
-        arms = {label: NodeStats.from_counters(c) for label, c in raw.items()}
-        verdict = {"efficiency": {k: round(v, 6) for k, v in mean.items()},
-                   "stdev": {k: round(math.sqrt(v), 6) for k, v in var.items()},
-                   "runs": n, "difference": round(diff, 6), "stderr": round(se, 6),
-                   "tau": {k: round(a.tau, 4) for k, a in arms.items()},
-                   "steps": {k: a.steps for k, a in arms.items()},
+        raw = {label: self.store.counters(workflow, node, arm=label)
+               for label in (trial.label, trial.incumbent)}
+        arms = {label: ArmSamples.from_counters(c) for label, c in raw.items()}
+        promote = rule.outcome(arms[trial.label], arms[trial.incumbent])
+        if promote is None:
+            return dataclasses.replace(row, trial=trial.label, event="trial")
+        diff, se = difference(arms[trial.label], arms[trial.incumbent])
+        evidence = {label: NodeStats.from_counters(c) for label, c in raw.items()}
+        verdict = {"efficiency": {k: round(a.mean, 6) for k, a in arms.items()},
+                   "stdev": {k: round(math.sqrt(a.variance), 6) for k, a in arms.items()},
+                   "runs": {k: a.n for k, a in arms.items()}, "difference": round(diff, 6),
+                   "stderr": round(se, 6),
+                   "tau": {k: round(s.tau, 4) for k, s in evidence.items()},
+                   "steps": {k: s.steps for k, s in evidence.items()},
                    "modeled": self.cost is not None}
-        if not self.store.decide(workflow, node, trial, incumbent, promote, verdict):
+        if not self._end_trial(workflow, node, trial, promote=promote, verdict=verdict):
             return dataclasses.replace(row, trial=self.store.trial(workflow, node))  # decided elsewhere
         after, new = self.current(workflow, node)
-        log.info("calibration %s of %s/%s %s: efficiency %.4g against %s's %.4g", trial, workflow, node,
-                 "promoted" if promote else "rejected", mean[trial], incumbent, mean[incumbent])
+        log.info("calibration %s of %s/%s %s: efficiency %.4g against %s's %.4g", trial.label, workflow,
+                 node, "promoted" if promote else "rejected", arms[trial.label].mean, trial.incumbent,
+                 arms[trial.incumbent].mean)
         return dataclasses.replace(row, after=after, new=new, trial=None,
                                    event="promoted" if promote else "rejected", verdict=verdict)
 
     def _update(self, workflow: str, node: str, source: str, *, adopt: bool = False) -> CalibrationRow:
+        """After the node's counters changed: decide a running trial, or start one (``adopt``:
+        publish directly) where the estimate moved materially."""
         stats = NodeStats.from_counters(self.store.counters(workflow, node))
         before, old = self.current(workflow, node)
         row = CalibrationRow(workflow, node, before, before, stats.summary(), old, old)
         if not self.learn:
             return row
-        trial = self.store.trial(workflow, node)
+        trial = self._trial(workflow, node)
         if trial is not None and adopt:  # an operator's adoption ends the trial undecided
-            doc = self.store.get(workflow, node, trial) or {}
-            self.store.decide(workflow, node, trial, str(doc.get("previous", GLOBAL)), False,
-                              {"reason": "superseded by an adopted version"})
+            self._end_trial(workflow, node, trial, promote=False,
+                            verdict={"reason": "superseded by an adopted version"})
         elif trial is not None and self.rule is not None:
             return self._judge(workflow, node, trial, row)
         new = derive(stats, self.bounds)
@@ -243,22 +296,7 @@ class NodeCalibrator:
             return dataclasses.replace(row, new=new, trial=label, event="trial")
         return dataclasses.replace(row, after=label, new=new, event="adopted")
 
-    def _label_of(self, run_id: str, node: str, labels: Mapping[str, str] | None) -> str | None:
-        if labels is not None:
-            return labels.get(node)
-        record = self.runs.get(run_id) if self.runs is not None else None
-        return None if record is None else record.calibrations.get(node)
-
-    def _arm(self, workflow: str, node: str, label: str | None) -> str | None:
-        """The trial arm a run's evidence also counts for: its label, if it is one of the trial's two."""
-        if self.rule is None or label is None:
-            return None
-        trial = self.store.trial(workflow, node)
-        if trial is None:
-            return None
-        doc = self.store.get(workflow, node, trial) or {}
-        return label if label in (trial, str(doc.get("previous", GLOBAL))) else None
-
+    # -- learning ---------------------------------------------------------------------------------
     def fold_run(self, workflow: str, run_id: str,
                  labels: Mapping[str, str] | None = None) -> list[CalibrationRow]:
         """Fold a finished run's acceptance into its nodes' counters (and a running trial's arm);
@@ -269,14 +307,13 @@ class NodeCalibrator:
         ever decoded in vanilla mode gets no calibration.
         """
         rows = []
-        for node, stats in stats_by_node(self.log.iter_entries(run_id)).items():
-            if not stats.steps:
-                continue
+        for node, stats in self._node_stats(run_id).items():
             counters = stats.to_counters()
-            arm = self._arm(workflow, node, self._label_of(run_id, node, labels))
+            label = self._label_of(run_id, node, labels)
+            trial = self._trial(workflow, node) if self.rule is not None and label is not None else None
+            arm = trial.arm(label) if trial is not None else None
             if arm is not None:  # the run is one sample of its arm (TrialRule)
-                e = efficiency(stats, self.cost)
-                counters.update(trial_n=1.0, trial_sum=e, trial_sq=e * e)
+                counters.update(sample_counters(efficiency(stats, self.cost)))
             if self.store.fold(workflow, node, run_id, counters, arm=arm) and self.learn:
                 rows.append(self._update(workflow, node, f"run {run_id}"))
         return rows
@@ -286,9 +323,8 @@ class NodeCalibrator:
         start a trial (``adopt``: publish it as current at once, skipping the trial)."""
         per_node: dict[str, dict[str, NodeStats]] = {}
         for run_id in run_ids:
-            for node, stats in stats_by_node(self.log.iter_entries(run_id)).items():
-                if stats.steps:
-                    per_node.setdefault(node, {})[run_id] = stats
+            for node, stats in self._node_stats(run_id).items():
+                per_node.setdefault(node, {})[run_id] = stats
         for node in set(per_node) | set(self.store.nodes(workflow)):
             self.store.reset_counters(workflow, node)
         rows = []

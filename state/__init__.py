@@ -4,7 +4,13 @@
 without it an embedded Valkey server runs in ``ELESIUM_DATA_DIR`` (:mod:`elesium.state.embedded`).
 """
 
-from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog, AcceptanceSummary, Retention
+from elesium.state.acceptance_log import (
+    AcceptanceEntry,
+    AcceptanceLog,
+    AcceptanceSummary,
+    LoggedStep,
+    Retention,
+)
 from elesium.state.checkpointer import AsyncRedisSaver, RedisSaver
 from elesium.state.connection import connect, connect_async, default_url, parse_redis_url
 from elesium.state.embedded import EmbeddedValkey, shared_server
@@ -28,6 +34,7 @@ __all__ = [
     "EmbeddedServerError",
     "EmbeddedValkey",
     "InvalidTransitionError",
+    "LoggedStep",
     "RedisSaver",
     "RedisURLError",
     "RedisUnavailableError",

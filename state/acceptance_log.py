@@ -1,9 +1,16 @@
 """The per-run audit trail of speculative decoding: one Redis Stream entry per decode step.
 
 Audit replay re-executes a run and compares it with what the engine recorded, step by step, so
-every :class:`~elesium.inference.records.StepRecord` is appended here together with where it came
-from (run, graph node, run-wide step number). A Stream fits: append-only, ordered by time-based
-ids, cheap range reads, and built-in trimming.
+every decode step is appended here together with where it came from (run, graph node, run-wide
+step number). A Stream fits: append-only, ordered by time-based ids, cheap range reads, and built-in
+trimming.
+
+The step itself is stored as :class:`LoggedStep`, this module's own copy of the record's fields,
+not the engine's type: the state layer must not import the engine (the dependency goes the other
+way round, through the graphs layer), and the stream's format is what this module promises to read
+back for as long as runs may be replayed. An entry accepts the engine's record, or any object with a
+``to_dict()`` of the same fields, or a plain mapping, and reads back as :class:`LoggedStep`, whose
+attributes and ``to_dict()`` are the engine record's.
 
 Retention is explicit because a stream otherwise grows forever: :class:`Retention` either caps
 the length (``XADD MAXLEN``) or drops entries older than an age (``XADD MINID``, computed from
@@ -18,14 +25,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from elesium.inference.records import StepRecord
 from elesium.state.connection import connect, default_url, describe
 from elesium.state.errors import translate_errors
 
@@ -53,15 +59,82 @@ return ids
 """
 
 
+_LEGACY_MODES = {"medusa": "speculative"}
+"""Mode names stored before a rename. Entries written then say "medusa" for the exact tree mode;
+reading them under today's name keeps an old run comparable, field for field, with its re-execution."""
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    """One verification step as the stream stores it (the fields of the engine's step record).
+
+    Attributes:
+        step: 0-based index of the step within one generation.
+        mode: the decoding mode's name ("vanilla", "speculative", "typical"); legacy names are read
+            as today's (:data:`_LEGACY_MODES`), other values are stored and read as given.
+        tree_size: nodes in the verified tree, root included.
+        tree_depth: deepest node's depth (root is depth 0).
+        accepted_length: tokens the step committed (accepted drafts plus one).
+        accepted_nodes: tree node ids of the accepted path, root first.
+        tokens: the token ids committed, in order.
+        accepted_by_depth: for depth 1..tree_depth, whether a draft at that depth was accepted.
+        draft_temperature: temperature of the draft proposal.
+        elapsed_s: wall time of the step.
+        predicted: accepted drafts the tree policy expected (dynamic trees; 0 otherwise).
+        calibration: the policy's calibration factor when it built the tree (0 otherwise).
+    """
+
+    step: int
+    mode: str
+    tree_size: int
+    tree_depth: int
+    accepted_length: int
+    accepted_nodes: tuple[int, ...]
+    tokens: tuple[int, ...]
+    accepted_by_depth: tuple[bool, ...] = field(default=())
+    draft_temperature: float = 0.0
+    elapsed_s: float = 0.0
+    predicted: float = 0.0
+    calibration: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document stored in the entry's ``record`` field (same keys, same order, as the
+        engine record's ``to_dict``, so the stored bytes do not depend on which type was appended)."""
+        d = asdict(self)
+        for key in ("accepted_nodes", "tokens", "accepted_by_depth"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoggedStep:
+        """Read a stored document; fields added after an entry was written take their defaults."""
+        mode = str(d["mode"])
+        return cls(
+            step=int(d["step"]),
+            mode=_LEGACY_MODES.get(mode, mode),
+            tree_size=int(d["tree_size"]),
+            tree_depth=int(d["tree_depth"]),
+            accepted_length=int(d["accepted_length"]),
+            accepted_nodes=tuple(int(x) for x in d["accepted_nodes"]),
+            tokens=tuple(int(x) for x in d["tokens"]),
+            accepted_by_depth=tuple(bool(x) for x in d.get("accepted_by_depth", ())),
+            draft_temperature=float(d.get("draft_temperature", 0.0)),
+            elapsed_s=float(d.get("elapsed_s", 0.0)),
+            predicted=float(d.get("predicted", 0.0)),
+            calibration=float(d.get("calibration", 0.0)),
+        )
+
+
 class AcceptanceEntry(BaseModel):
-    """A :class:`StepRecord` and its place in a run.
+    """A decode step (:class:`LoggedStep`) and its place in a run.
 
     Attributes:
         run_id: the run (see :mod:`elesium.state.runs`).
         node_id: the LangGraph node whose generation produced the step.
         step_id: run-wide step number, increasing across the run's generations (``record.step``
             restarts at 0 for each generation).
-        record: what the engine proposed and kept.
+        record: what the engine proposed and kept; given as the engine's record (anything with a
+            ``to_dict()`` of :class:`LoggedStep`'s fields) or a mapping, held as :class:`LoggedStep`.
         entry_id: the stream id, set on entries read back; None on entries not yet appended.
         kind: "step" (a decode step) or "call" (one per LLM call of a workflow, written before its
             steps: ``record`` is then the prefill, which commits the call's first token, and
@@ -80,7 +153,7 @@ class AcceptanceEntry(BaseModel):
     run_id: str = Field(min_length=1)
     node_id: str
     step_id: int = Field(ge=0)
-    record: StepRecord
+    record: LoggedStep
     entry_id: str | None = None
     kind: Literal["step", "call"] = "step"
     call_index: int | None = Field(default=None, ge=0)
@@ -88,6 +161,20 @@ class AcceptanceEntry(BaseModel):
     tokens: tuple[int, ...] | None = None
     prompt: tuple[int, ...] | None = None
     temperature: float | None = None
+
+    @field_validator("record", mode="before")
+    @classmethod
+    def _as_logged_step(cls, value: Any) -> Any:
+        """Take the engine's record without importing its type: the state layer sits below the engine,
+        so it converts by the record's own ``to_dict()``; anything else is left to the type check."""
+        if isinstance(value, LoggedStep):
+            return value
+        if isinstance(value, Mapping):
+            return LoggedStep.from_dict(value)
+        to_dict = getattr(value, "to_dict", None)
+        if callable(to_dict):
+            return LoggedStep.from_dict(to_dict())
+        return value
 
     def to_fields(self) -> dict[str, str]:
         """The stream entry's fields: flat, readable in ``redis-cli XRANGE``."""
@@ -119,7 +206,7 @@ class AcceptanceEntry(BaseModel):
             run_id=text["run_id"],
             node_id=text["node_id"],
             step_id=int(text["step_id"]),
-            record=StepRecord.from_dict(json.loads(text["record"])),
+            record=LoggedStep.from_dict(json.loads(text["record"])),
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
             kind=text.get("kind", "step"),
             call_index=int(text["call_index"]) if "call_index" in text else None,

@@ -13,18 +13,19 @@ start from. Keys, one cluster slot per node (``{workflow:node}`` is the hash tag
     <prefix>:{<workflow>:<node>}:trial     n of the version on trial (absent: none)
     <prefix>:{<workflow>:<node>}:arm:<label>  counters of the runs that used <label> during the trial
     <prefix>:{<workflow>:<node>}:turns     alternation counter: which arm the next run takes
-    <prefix>:{<workflow>:<node>}:decisions list of JSON trial verdicts (promoted / rejected, with figures)
+    <prefix>:{<workflow>:<node>}:decisions list of JSON trial verdicts, oldest first
     <prefix>:nodes:<workflow>              set of the workflow's calibrated node names
 
-A derived version is not adopted on its estimate alone: it is published *on trial* and runs of the
-node alternate between it and the current version until both arms have enough evidence; then it is
-promoted (``current`` moves to it) or rejected, one script each, so a half-made decision is never
-visible.
+This module stores and reads; it decides nothing. Whether a version goes on trial, which arm a run
+takes, and when a trial ends with which verdict is the calibrator's business (the graphs layer);
+what the counters and documents mean is the tuning statistics'. What this module guarantees is
+that each change is whole: a trial ends (pointer moved or not, arms cleared, verdict appended) in
+one script, so a half-made decision is never visible and a decision taken twice (two workers
+folding the run that completed the evidence) is stored once.
 
 Folding a run is one script per node: the run joins the ``runs`` set and its counters are added
 only if it was not there yet, so a retried fold (a worker restart, ``tune --from-log`` racing a
-finishing run) never counts a run twice. The state layer stores plain dicts; what they mean is
-:mod:`elesium.inference.tuning.node_calibration`'s business.
+finishing run) never counts a run twice.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ redis.call('SET', KEYS[2], n)
 return n
 """
 
-# KEYS: trial, current, decisions, turns, the two arms' counters. ARGV: n, "promote" | "reject",
-# verdict JSON. Returns 1 when decided now, 0 when n was no longer on trial (decided elsewhere first).
-_DECIDE = r"""
+# KEYS: trial, current, decisions, turns, the two arms' counters. ARGV: n, "current" | "keep" (whether
+# current moves to n), record JSON. Returns 1 when ended now, 0 when n was no longer on trial (ended
+# elsewhere first: nothing is written).
+_END_TRIAL = r"""
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] == 'promote' then redis.call('SET', KEYS[2], ARGV[1]) end
+if ARGV[2] == 'current' then redis.call('SET', KEYS[2], ARGV[1]) end
 redis.call('DEL', KEYS[1], KEYS[4], KEYS[5], KEYS[6])
 redis.call('RPUSH', KEYS[3], ARGV[3])
 return 1
@@ -97,7 +99,7 @@ class CalibrationStore:
         self._target = target
         self._fold = client.register_script(_FOLD)
         self._publish = client.register_script(_PUBLISH)
-        self._decide = client.register_script(_DECIDE)
+        self._end_trial = client.register_script(_END_TRIAL)
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> CalibrationStore:
@@ -158,7 +160,8 @@ class CalibrationStore:
     # -- versions -------------------------------------------------------------------------------
     def publish(self, workflow: str, node: str, document: Mapping[str, Any], *, trial: bool = False) -> str:
         """Store a new immutable version and point ``current`` (or, with ``trial``, ``trial``) at it;
-        returns its label (``v<n>``). Starting a trial replaces any trial still running."""
+        returns its label (``v<n>``). Pointing ``trial`` replaces any trial still running and resets
+        the alternation counter (:meth:`next_turn` starts again at 1)."""
         base = self._node(workflow, node)
         doc = {**document, "workflow": workflow, "node": node,
                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -178,28 +181,30 @@ class CalibrationStore:
         return None if raw is None else f"v{int(raw)}"
 
     def next_turn(self, workflow: str, node: str) -> int:
-        """1, 2, 3, ... for successive runs choosing during a trial (odd: the trial's arm)."""
+        """1, 2, 3, ... for successive runs choosing during a trial: one atomic counter, so runs on
+        different workers still alternate (which number means which arm is the caller's rule)."""
         base = self._node(workflow, node)
         with self._guard(base):
             return int(self.client.incr(f"{base}:turns"))
 
-    def decide(self, workflow: str, node: str, trial: str, incumbent: str, promote: bool,
-               verdict: Mapping[str, Any]) -> bool:
-        """End ``trial``: promote it to current or reject it, recording ``verdict``; clears both arms'
-        counters. False when ``trial`` was not (or no longer) on trial."""
+    def end_trial(self, workflow: str, node: str, trial: str, incumbent: str, *, make_current: bool,
+                  record: Mapping[str, Any]) -> bool:
+        """End ``trial`` in one script: point ``current`` at it when ``make_current``, clear both arms'
+        counters and the alternation, append ``record`` to the verdicts.
+
+        False (and nothing written) when ``trial`` was not, or no longer, on trial: two callers that
+        reached the same verdict from the same evidence store it once.
+        """
         base = self._node(workflow, node)
-        doc = {**verdict, "trial": trial, "incumbent": incumbent,
-               "verdict": "promoted" if promote else "rejected",
-               "decided": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         with self._guard(base):
-            return bool(int(self._decide(
+            return bool(int(self._end_trial(
                 keys=[f"{base}:trial", f"{base}:current", f"{base}:decisions", f"{base}:turns",
                       f"{base}:arm:{trial}", f"{base}:arm:{incumbent}"],
-                args=[parse_label(trial), "promote" if promote else "reject",
-                      json.dumps(doc, sort_keys=True)])))
+                args=[parse_label(trial), "current" if make_current else "keep",
+                      json.dumps(dict(record), sort_keys=True)])))
 
     def decisions(self, workflow: str, node: str) -> list[dict[str, Any]]:
-        """The node's trial verdicts, oldest first."""
+        """The records :meth:`end_trial` appended for the node, oldest first."""
         base = self._node(workflow, node)
         with self._guard(base):
             return [json.loads(raw) for raw in self.client.lrange(f"{base}:decisions", 0, -1)]

