@@ -16,15 +16,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
+from elesium.api.errors import install_handlers
 from elesium.api.execution import Services
 from elesium.api.metrics import Metrics
 from elesium.api.settings import ApiSettings
 from elesium.api.tracing import Tracing
 from elesium.api.worker import EngineWorker
+from elesium.graphs.registry import Registry
+from elesium.inference.types import TextEngine
 
 log = logging.getLogger("elesium.api")
 PUBLIC_PATHS = ("/healthz", "/readyz")
@@ -93,7 +94,7 @@ class Guard:
                 )
 
 
-def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Services:
+def build_services(settings: ApiSettings, engine: TextEngine, registry: Registry) -> Services:
     from elesium.api.events import EventPump
     from elesium.graphs.calibration import NodeCalibrator
     from elesium.state import AcceptanceLog, RedisSaver, Retention, RunRegistry, connect, default_url
@@ -116,7 +117,7 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
     # replay decodes with the versions its run recorded.
     calibrator = NodeCalibrator(CalibrationStore(client, target=target), acceptance, runs=runs_registry,
                                 use=settings.self_tuning, learn=settings.self_tuning,
-                                cost=lambda n: engine.policy.cost(n))
+                                cost=engine.step_cost)
     return Services(
         settings=settings,
         engine=engine,
@@ -138,9 +139,9 @@ def build_services(settings: ApiSettings, engine: Any, registry: Any) -> Service
 
 def start_queue_worker(svc: Services, concurrency: int) -> Any:
     """This server's in-process queue worker (the single-machine default): it executes API runs and
-    runs submitted with :func:`elesium.background.submit`, like ``elesium worker`` does."""
+    runs submitted with :func:`elesium.graphs.background.submit`, like ``elesium worker`` does."""
     from elesium.api.run_executor import ApiRunExecutor, Dispatcher
-    from elesium.background import WorkflowExecutor
+    from elesium.graphs.background import WorkflowExecutor
     from elesium.graphs.runner import WorkflowRunner
     from elesium.state.queue_worker import QueueWorker
 
@@ -149,13 +150,14 @@ def start_queue_worker(svc: Services, concurrency: int) -> Any:
     return QueueWorker(svc.queue, execute, concurrency=concurrency).start()
 
 
-def create_app(settings: ApiSettings | None = None, *, engine: Any = None, registry: Any = None) -> FastAPI:
+def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None = None,
+               registry: Registry | None = None) -> FastAPI:
     """The Elesium API.
 
     Args:
         settings: keys, limits, state server; default :meth:`ApiSettings.from_env` (auth on).
         engine: a loaded Engine; None loads the default one (bundled model) at startup.
-        registry: the workflow registry; None uses ``elesium.graphs.registry.default_registry()``.
+        registry: the workflow registry; None uses ``elesium.graphs.workflows.default_registry()``.
     """
     settings = settings or ApiSettings.from_env()
     holder: dict[str, Services] = {}
@@ -188,14 +190,16 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
     app.state.settings = settings
 
     def _install(app: FastAPI) -> None:
-        eng = engine
-        if eng is None:
+        eng: TextEngine
+        if engine is None:
             from elesium.inference.engine import Engine
 
             eng = Engine.load()
+        else:
+            eng = engine
         reg = registry
         if reg is None:
-            from elesium.graphs.registry import default_registry
+            from elesium.graphs.workflows import default_registry
 
             reg = default_registry()
         svc = build_services(settings, eng, reg)
@@ -209,25 +213,7 @@ def create_app(settings: ApiSettings | None = None, *, engine: Any = None, regis
     for module in (ops, assistants, threads, runs, elesium, openai):
         app.include_router(module.router)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return JSONResponse(
-            {"detail": f"{where}: {first.get('msg')}", "errors": json.loads(json.dumps(errors, default=str))},
-            status_code=422,
-        )
-
-    from elesium.state.errors import RedisUnavailableError, StateError
-
-    @app.exception_handler(RedisUnavailableError)
-    async def _redis_down(request: Request, exc: RedisUnavailableError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc).splitlines()[0]}, status_code=503)
-
-    @app.exception_handler(StateError)
-    async def _state(request: Request, exc: StateError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc).splitlines()[0]}, status_code=409)
+    install_handlers(app)
 
     app.add_middleware(
         Guard, settings=settings, metrics_of=lambda: getattr(holder.get("svc"), "metrics", None)

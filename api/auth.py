@@ -12,7 +12,9 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from fastapi import HTTPException, Request
+from fastapi import Request
+
+from elesium.api.errors import Unauthorized
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Principal:
 
 
 def key_id(key: str) -> str:
+    """A short hash of the key: names who acted in audit records without storing the secret."""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
@@ -51,8 +54,7 @@ def principal(request: Request) -> Principal:
         for known, tenant in settings.api_keys.items():
             if hmac.compare_digest(known.encode(), key.encode()):
                 return Principal(tenant=tenant, key_id=key_id(known))
-    raise HTTPException(
-        status_code=401,
-        detail="missing or invalid API key (send x-api-key or Authorization: Bearer)",
+    raise Unauthorized(
+        "missing or invalid API key (send x-api-key or Authorization: Bearer)",
         headers={"WWW-Authenticate": "Bearer"},
     )

@@ -17,19 +17,26 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import HTTPException
-
 from elesium.api.auth import Principal
-from elesium.api.events import RunChannel
+from elesium.api.errors import Conflict, InvalidRequest, NotFound
+from elesium.api.events import EventPump, RunChannel
 from elesium.api.metrics import Metrics
 from elesium.api.schemas import SUPPORTED_STREAM_MODES, RunCreate
 from elesium.api.settings import ApiSettings
 from elesium.api.tracing import Tracing
 from elesium.api.worker import EngineWorker
-from elesium.graphs import replay as rp
+from elesium.graphs.calibration import NodeCalibrator
+from elesium.graphs.execution import RunEngine
+from elesium.graphs.registry import Registry
+from elesium.inference.types import TextEngine
+from elesium.state.acceptance_log import AcceptanceLog
+from elesium.state.queue import RunQueue
+from elesium.state.run_events import RunEvents
+from elesium.state.runs import RunRegistry
 from elesium.state.threads import RunRow, ThreadRow, ThreadStore
 
 log = logging.getLogger("elesium.api")
@@ -42,12 +49,29 @@ def assistant_id_of(workflow: Any) -> str:
     return str(uuid.uuid5(ASSISTANT_NS, f"{workflow.name}@{workflow.version}"))
 
 
-def not_found(what: str, ident: str) -> HTTPException:
-    return HTTPException(status_code=404, detail=f"{what} {ident!r} not found")
-
-
 def iso(ms: int) -> str:
+    """The protocol's timestamps: ISO 8601 in UTC with milliseconds, as langgraph-sdk parses them."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}+00:00"
+
+
+def resolve_decode_mode(available: Iterable[str], requested: Any) -> str:
+    """The decode mode an engine offering ``available`` runs for ``requested``, else InvalidRequest (422).
+
+    The one resolution for runs and chat completions, so both accept the same names (the legacy alias
+    "medusa") and refuse the rest the same way.
+    """
+    from elesium.inference.records import normalize_mode
+
+    try:
+        mode = normalize_mode(str(requested))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc).splitlines()[0]) from None
+    modes = tuple(available)
+    if mode not in modes:
+        raise InvalidRequest(
+            f"decode mode {requested!r} is not available on this engine (available: {', '.join(modes)})"
+        )
+    return mode
 
 
 @dataclass
@@ -55,23 +79,26 @@ class Services:
     """Everything a request may need; one per app (``app.state.services``)."""
 
     settings: ApiSettings
-    engine: Any
-    registry: Any
+    engine: TextEngine
+    registry: Registry
     store: ThreadStore
-    saver: Any
-    acceptance: Any
-    runs_registry: Any
+    saver: Any  # a RedisSaver, wrapped by Metrics.timed_checkpoints
+    acceptance: AcceptanceLog
+    runs_registry: RunRegistry
     worker: EngineWorker
     metrics: Metrics
     tracing: Tracing
-    queue: Any = None  # elesium.state.queue.RunQueue
-    calibrator: Any = None  # elesium.graphs.calibration.NodeCalibrator (per-node tree calibrations)
-    events: Any = None  # elesium.state.run_events.RunEvents
-    pump: Any = None  # elesium.api.events.EventPump
+    queue: RunQueue
+    events: RunEvents
+    pump: EventPump
+    calibrator: NodeCalibrator | None = None  # per-node tree calibrations
     channels: dict[str, RunChannel] = field(default_factory=dict)
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     _graphs: dict[tuple[str, str], Any] = field(default_factory=dict)
     _graph_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Runs are created and followed from the thread pool (no Redis call on the event loop), so the
+    # channel map is shared between threads.
+    _channels_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---------------------------------------------------------------- workflows
     def workflows(self) -> list[Any]:
@@ -90,7 +117,7 @@ class Services:
         try:
             return self.registry.get(name, version or None)
         except KeyError:
-            raise not_found("assistant", assistant_id) from None
+            raise NotFound.of("assistant", assistant_id) from None
 
     def workflow_version(self, name: str, version: str) -> Any:
         """The registered workflow ``name`` at ``version``, else its current version (replay reports it)."""
@@ -100,9 +127,7 @@ class Services:
             try:
                 return self.registry.get(name)
             except KeyError:
-                raise HTTPException(
-                    status_code=409, detail=f"workflow {name!r} is no longer registered"
-                ) from None
+                raise Conflict(f"workflow {name!r} is no longer registered") from None
 
     def graph(self, workflow: Any) -> Any:
         key = (workflow.name, workflow.version)
@@ -123,34 +148,27 @@ class Services:
         return self.graph(wf)
 
     def fingerprint(self, mode: str | None = None) -> dict[str, str]:
-        from elesium.graphs.fingerprint import engine_fingerprint
-
-        return engine_fingerprint(self.engine, mode)
+        """What decides the tokens of a run in ``mode`` (recorded with it; a replay compares it)."""
+        return self.engine.fingerprint(mode)
 
     def decode_mode(self, requested: Any) -> str:
-        """A decode mode this engine runs (legacy alias "medusa" accepted); 422 otherwise."""
-        from elesium.inference.records import normalize_mode
-
-        try:
-            mode = normalize_mode(str(requested))
-        except ValueError as exc:
-            raise HTTPException(status_code=422, detail=str(exc)) from None
-        modes = tuple(self.engine.modes)
-        if mode not in modes and mode == "speculative" and "medusa" in modes:
-            return "medusa"
-        if mode not in modes:
-            raise HTTPException(
-                status_code=422,
-                detail=f"decode mode {requested!r} is not available on this engine "
-                f"(available: {', '.join(modes)})",
-            )
-        return mode
+        """:func:`resolve_decode_mode` against this server's engine."""
+        return resolve_decode_mode(self.engine.modes, requested)
 
     # ---------------------------------------------------------------- threads
     def thread_or_404(self, thread_id: str, who: Principal) -> ThreadRow:
+        """The caller's thread; another tenant's is as missing as one that never existed."""
         row = self.get_thread(thread_id, who.tenant)
         if row is None:
-            raise not_found("thread", thread_id)
+            raise NotFound.of("thread", thread_id)
+        return row
+
+    def run_or_404(self, thread_id: str, run_id: str, who: Principal) -> RunRow:
+        """The caller's run on that thread (the thread checked first, so it is settled if stale)."""
+        self.thread_or_404(thread_id, who)
+        row = self.store.get_run(run_id, who.tenant, thread_id)
+        if row is None:
+            raise NotFound.of("run", run_id)
         return row
 
     def get_thread(self, thread_id: str, tenant: str) -> ThreadRow | None:
@@ -198,7 +216,7 @@ class Services:
             existing = self.store.get_thread(tid, who.tenant)
             if if_exists == "do_nothing" and existing is not None:
                 return existing
-            raise HTTPException(status_code=409, detail=f"thread {tid!r} already exists")
+            raise Conflict(f"thread {tid!r} already exists")
         return row
 
     # ---------------------------------------------------------------- runs
@@ -206,27 +224,21 @@ class Services:
         """Validate a run request against the thread and the workflow; write nothing (4xx on bad input)."""
         unsupported = [m for m in body.modes if m not in SUPPORTED_STREAM_MODES]
         if unsupported:
-            raise HTTPException(
-                status_code=422,
-                detail=f"stream_mode {unsupported[0]!r} is not supported; use "
-                f"{', '.join(SUPPORTED_STREAM_MODES)}",
+            raise InvalidRequest(
+                f"stream_mode {unsupported[0]!r} is not supported; use {', '.join(SUPPORTED_STREAM_MODES)}"
             )
         if body.multitask_strategy not in (None, "reject"):
-            raise HTTPException(status_code=422, detail="only multitask_strategy='reject' is supported")
+            raise InvalidRequest("only multitask_strategy='reject' is supported")
         wf = self.resolve_assistant(body.assistant_id)
         if thread.graph_id and thread.graph_id.partition("@")[0] != wf.name:
-            raise HTTPException(
-                status_code=409,
-                detail=f"thread {thread.thread_id!r} belongs to workflow "
-                f"{thread.graph_id.partition('@')[0]!r}, not {wf.name!r}",
+            raise Conflict(
+                f"thread {thread.thread_id!r} belongs to workflow "
+                f"{thread.graph_id.partition('@')[0]!r}, not {wf.name!r}"
             )
         if thread.status == "busy":
-            raise HTTPException(
-                status_code=409,
-                detail=f"thread {thread.thread_id!r} has a run in progress (multitask_strategy=reject)",
-            )
+            raise Conflict(f"thread {thread.thread_id!r} has a run in progress (multitask_strategy=reject)")
         if body.input is not None and body.command is not None:
-            raise HTTPException(status_code=422, detail="send input or command, not both")
+            raise InvalidRequest("send input or command, not both")
         request: dict[str, Any] = {}
         if body.input is not None:
             request["input"] = _validated(
@@ -237,11 +249,10 @@ class Services:
             if "resume" in body.command.model_fields_set:
                 command["resume"] = body.command.resume
             if not command:
-                raise HTTPException(status_code=422, detail="command is empty; send resume, update or goto")
+                raise InvalidRequest("command is empty; send resume, update or goto")
             if "resume" in command and thread.status != "interrupted":
-                raise HTTPException(
-                    status_code=409,
-                    detail=f"thread {thread.thread_id!r} is not waiting at an interrupt; nothing to resume",
+                raise Conflict(
+                    f"thread {thread.thread_id!r} is not waiting at an interrupt; nothing to resume"
                 )
             if "resume" in command and getattr(wf, "resume_model", None) is not None:
                 command["resume"] = _validated(
@@ -255,18 +266,16 @@ class Services:
                 "configurable": {"thread_id": thread.thread_id, "checkpoint_ns": "", "checkpoint_id": fork}
             }
             if graph.checkpointer.get_tuple(cfg) is None:
-                raise not_found("checkpoint", fork)
+                raise NotFound.of("checkpoint", fork)
             request["checkpoint_id"] = fork
         if not request:
-            raise HTTPException(
-                status_code=422, detail="send an input, a command, or a checkpoint to resume from"
-            )
+            raise InvalidRequest("send an input, a command, or a checkpoint to resume from")
         configurable = (body.config or {}).get("configurable") or {}
         seed = body.seed if body.seed is not None else configurable.get("run_seed")
         if seed is not None and (
             not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63
         ):
-            raise HTTPException(status_code=422, detail="run seed must be an integer in [0, 2**63)")
+            raise InvalidRequest("run seed must be an integer in [0, 2**63)")
         request["stream_mode"] = body.modes
         # The effective decode mode is recorded even when the engine chose it: a replay on an engine whose
         # default differs (another tuning profile) must still decode the same way.
@@ -304,13 +313,12 @@ class Services:
             "idle", "interrupted", "error")
         previous = self.store.claim_thread(row.thread_id, allowed)
         if previous is None:
-            raise HTTPException(
-                status_code=409,
-                detail=f"thread {row.thread_id!r} has a run in progress or is not waiting at an interrupt",
+            raise Conflict(
+                f"thread {row.thread_id!r} has a run in progress or is not waiting at an interrupt"
             )
         if self.store.create_run(row) is None:
             self.store.update_thread(row.thread_id, status=previous)
-            raise HTTPException(status_code=409, detail=f"run {row.run_id!r} already exists")
+            raise Conflict(f"run {row.run_id!r} already exists")
         self.store.update_thread(row.thread_id, graph_id=f"{wf.name}@{wf.version}")
         if self.runs_registry is not None:
             try:
@@ -325,36 +333,45 @@ class Services:
                         **_optional_record_fields(row),
                     )
                 )
-            except Exception:  # noqa: BLE001 - the registry is a secondary index; the run still runs
-                log.exception("run registry create failed for %s", row.run_id)
+            except Exception as exc:
+                # Re-raised: a run without its record could not be replayed as it ran (the record holds
+                # its per-node calibration versions), so it ends as an error before any worker sees it.
+                self.settle(row, "error", f"the run's record could not be written: {type(exc).__name__}")
+                raise
         timeout = self.settings.run_timeout_s or None
         try:
             self.queue.enqueue(row.run_id, {"kind": "api", "thread_id": row.thread_id},
                                thread_id=row.thread_id, timeout_s=timeout)
         except Exception:
+            # Re-raised: only ends the run that no worker will ever claim, so its thread is not left busy.
             self.settle(row, "error", "the run could not be queued (Redis unavailable)")
             raise
         return self.follow(row)
 
     def follow(self, row: RunRow) -> RunChannel:
         """This server's channel of the run, fed from its Redis events (created on first use)."""
-        channel = self.channels.get(row.run_id)
-        if channel is None:
+        with self._channels_lock:
+            channel = self.channels.get(row.run_id)
+            if channel is not None:
+                return channel
             self._forget_old_channels()
             channel = RunChannel()
             self.channels[row.run_id] = channel
-            self.pump.follow(row.thread_id, row.run_id, channel)
+        self.pump.follow(row.thread_id, row.run_id, channel)
         return channel
 
     def registry_status(self, run_id: str, status: str, error: str | None = None) -> None:
+        """Mirror a run's end into the run registry, best effort."""
         if self.runs_registry is None:
             return
         try:
             self.runs_registry.update_status(run_id, status, error=error)
-        except Exception:  # noqa: BLE001 - see start_run
+        except Exception:  # noqa: BLE001
+            # Safe to drop: the run's row in the thread store (written before this) is what the API
+            # reports, and a replay reads only the record's calibration versions, never this status.
             log.debug("run registry status %s for %s not applied", status, run_id, exc_info=True)
 
-    def after_run(self, row: RunRow, tap: rp.TappedEngine | None, status: str, error: str | None) -> None:
+    def after_run(self, row: RunRow, tap: RunEngine | None, status: str, error: str | None) -> None:
         """The thread's status, the registry's and the metrics once a run has ended."""
         thread_status = {"success": "idle", "interrupted": "interrupted", "error": "error"}.get(
             status, "idle"
@@ -381,7 +398,7 @@ class Services:
 
     def _forget_old_channels(self, keep_s: float = 600.0) -> None:
         """Drop event channels of runs that ended more than ``keep_s`` ago (a late ``join`` then reads the
-        final state from Redis; only the streamed events are gone)."""
+        final state from Redis; only the streamed events are gone). Called with ``_channels_lock`` held."""
         now = time.monotonic()
         for rid in [
             r for r, c in self.channels.items() if c.closed_at is not None and now - c.closed_at > keep_s
@@ -392,7 +409,8 @@ class Services:
         """The run's channel on this server: the existing one, or a new one following the run's events
         in Redis (a run created on another server, or one that ended within the events' TTL); None when
         the run ended and its events have expired."""
-        channel = self.channels.get(row.run_id)
+        with self._channels_lock:
+            channel = self.channels.get(row.run_id)
         active = row.status in ("pending", "running")
         if channel is None and (active or self.events.exists(row.thread_id, row.run_id)):
             channel = self.follow(row)
@@ -422,7 +440,7 @@ def _validated(model: Any, value: Any, what: str) -> Any:
     try:
         return validate(model, value, what)
     except InputValidationError as exc:
-        raise HTTPException(status_code=422, detail=str(exc)) from None
+        raise InvalidRequest(str(exc)) from None
 
 
 def _optional_record_fields(row: RunRow) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Executing an API run from the durable queue: the C6 executor of protocol runs.
+"""Executing an API run from the durable queue: the queue's executor of protocol runs.
 
 ``POST .../runs`` records the run and enqueues it (:meth:`Services.start_run`); whichever worker
 claims it (the server's in-process one, or ``elesium worker`` on any machine) executes it here,
@@ -22,10 +22,22 @@ call decodes the same tokens the dead attempt would have.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
-from elesium.graphs import replay as rp
+from elesium.graphs.execution import (
+    EngineMismatchError,
+    RunCancelled,
+    RunEngine,
+    check_engine,
+    checkpoint_ids,
+    command_from,
+    drive,
+    learn,
+    outcome_now,
+    recorded_calibrations,
+    resume_point,
+    run_config,
+)
 from elesium.state.acceptance_log import Retention
 from elesium.state.queue import Lease, LeaseLostError, RunCancelledError, RunTimeoutError
 
@@ -36,23 +48,10 @@ class RunFailed(Exception):
     """The run ended in error (recorded); the queue marks it failed."""
 
 
-def own_checkpoints(graph: Any, thread_id: str, run_id: str) -> list[str]:
-    """Checkpoint ids of the thread (root namespace) written by ``run_id``, oldest first."""
-    config = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
-    ids = [t.config["configurable"]["checkpoint_id"] for t in graph.checkpointer.list(config)
-           if (t.metadata or {}).get("run_id") == run_id]
-    return list(reversed(ids))
-
-
-def _resuming(graph: Any, thread_id: str, run_id: str) -> bool:
-    """True when the thread's newest checkpoint is this run's: an earlier attempt started it."""
-    latest = graph.checkpointer.get_tuple({"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}})
-    return latest is not None and (latest.metadata or {}).get("run_id") == run_id
-
-
 def dedupe_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per (node, call index), in first-seen order: a call that a dead attempt finished
-    and the resumed attempt re-ran is recorded once (both decoded the same tokens)."""
+    and the resumed attempt re-ran is recorded once (both decoded the same tokens, from the same
+    checkpointed call index)."""
     out: dict[tuple[str, int], dict[str, Any]] = {}
     for call in calls:
         out[(str(call.get("node")), int(call.get("call", 0)))] = call
@@ -60,7 +59,8 @@ def dedupe_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ApiRunExecutor:
-    """``execute(run_id, lease)`` for runs created through the API (payload ``kind: "api"``)."""
+    """``execute(run_id, lease)`` for runs created through the API (payload ``kind: "api"``): the API's
+    records (run row, event stream, calls, metrics) around one pass of :mod:`elesium.graphs.execution`."""
 
     def __init__(self, services: Any) -> None:
         self.svc = services
@@ -77,44 +77,44 @@ class ApiRunExecutor:
             self._end(row, "error", why)
             raise RunFailed(why) from None
         mode = row.request.get("mode")
-        current = svc.fingerprint(mode)
-        if row.fingerprint and current != row.fingerprint:
-            diff = sorted(k for k in set(current) | set(row.fingerprint)
-                          if current.get(k) != row.fingerprint.get(k))
-            self._end(row, "error", f"this worker's engine differs from the run's ({', '.join(diff)})")
-            raise RunFailed(f"engine differs ({', '.join(diff)})")
+        try:
+            check_engine(svc.engine, row.fingerprint, mode, what=f"run {run_id!r}")
+        except EngineMismatchError as exc:
+            differing = ", ".join(exc.differing)
+            self._end(row, "error", f"this worker's engine differs from the run's ({differing})")
+            raise RunFailed(f"engine differs ({differing})") from None
 
         def publish(event: str, data: Any) -> None:
             svc.events.publish(row.thread_id, run_id, event, data)
 
         publish("metadata", {"run_id": run_id, "thread_id": row.thread_id, "attempt": lease.attempt})
-        cancelled = threading.Event()
-        unregister = lease.on_abort(cancelled.set)
-        tap = rp.TappedEngine(svc.engine, cancelled=cancelled,
-                              on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
+        tap = RunEngine(svc.engine, on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
+        unregister = lease.on_abort(tap.cancel)
         modes = row.request.get("stream_mode") or ["values"]
         graph = wf.build(svc.metrics.timed_checkpoints(lease.saver()))
-        resuming = _resuming(graph, row.thread_id, run_id)
-        config = rp.run_config(
-            row.thread_id, run_id, row.seed, row.tenant, tap,
-            checkpoint_id=None if resuming else row.request.get("checkpoint_id"),
-            log=lease.acceptance_log(retention=Retention(maxlen=None)),
-            workflow=wf.name, mode=mode,
+        config = run_config(
+            tap, thread_id=row.thread_id, run_id=run_id, seed=row.seed, tenant=row.tenant,
+            log=lease.acceptance_log(retention=Retention(maxlen=None)), workflow=wf.name, mode=mode,
             # A retried attempt keeps the versions its nodes already decoded with (the run record
             # holds them), so its remaining calls build the trees the dead attempt would have.
-            calibrator=svc.calibrator, calibrations=_recorded_calibrations(svc, run_id),
+            calibrator=svc.calibrator, calibrations=recorded_calibrations(svc.runs_registry, run_id),
         )
+        point = resume_point(graph, config, run_id)
+        resuming = point != "start"
+        if not resuming and row.request.get("checkpoint_id"):
+            config["configurable"]["checkpoint_id"] = row.request["checkpoint_id"]
         svc.store.update_run(run_id, status="running", server=lease.worker_id)
         svc.registry_status(run_id, "running")
         try:
-            outcome = rp.drive(
-                graph, None if resuming else rp.command_from(row.request), config,
-                emit=_emitter(publish, modes), cancelled=cancelled,
+            # "done": an earlier attempt finished (or reached an interrupt) and died before recording it.
+            outcome = outcome_now(graph, row.thread_id) if point == "done" else drive(
+                graph, None if resuming else command_from(row.request), config,
+                emit=_emitter(publish, modes), cancelled=tap.cancelled,
                 stream_modes=tuple(dict.fromkeys("messages" if m == "messages-tuple" else m for m in modes)),
             )
             if outcome.status == "error":
                 lease.verify()  # a node failed because the lease was lost? then record nothing
-        except rp.RunCancelled:
+        except RunCancelled:
             try:
                 lease.check()
             except RunCancelledError:
@@ -128,13 +128,13 @@ class ApiRunExecutor:
             unregister()
         if outcome.status == "success":
             # Before the outcome is published: a run started after this one's reply sees what it taught.
-            _learn(svc, wf.name, run_id)
-        self._end(row, outcome.status, outcome.error, tap, own_checkpoints(graph, row.thread_id, run_id))
+            learn(svc.calibrator, wf.name, run_id)
+        self._end(row, outcome.status, outcome.error, tap, checkpoint_ids(graph, row.thread_id, run_id))
         if outcome.status == "error":
             raise RunFailed(outcome.error or "error")
         return "interrupted" if outcome.status == "interrupted" else "succeeded"
 
-    def _end(self, row: Any, status: str, error: str | None, tap: rp.TappedEngine | None = None,
+    def _end(self, row: Any, status: str, error: str | None, tap: RunEngine | None = None,
              checkpoints: list[str] | None = None) -> None:
         """Record how the run ended (run row, calls, thread, registry, metrics), then close its events."""
         svc = self.svc
@@ -148,29 +148,6 @@ class ApiRunExecutor:
             svc.events.publish(row.thread_id, row.run_id, "error",
                                {"error": (error or "error").split(":")[0], "message": error})
         svc.events.end(row.thread_id, row.run_id)
-
-
-def _recorded_calibrations(svc: Any, run_id: str) -> dict[str, str]:
-    """The calibration version each node of the run decoded with so far (an earlier attempt's)."""
-    if svc.runs_registry is None:
-        return {}
-    try:
-        record = svc.runs_registry.get(run_id)
-    except Exception:  # noqa: BLE001 - the registry is a secondary index; a run without it uses current
-        log.warning("run registry unreadable for %s; nodes start from their current calibrations", run_id)
-        return {}
-    return dict(record.calibrations) if record is not None else {}
-
-
-def _learn(svc: Any, workflow: str, run_id: str) -> None:
-    """Fold a succeeded run into its nodes' calibrations (self-tuning on); never fails the run."""
-    calibrator = svc.calibrator
-    if calibrator is None or not calibrator.learn:
-        return
-    try:
-        calibrator.fold_run(workflow, run_id)
-    except Exception:  # noqa: BLE001 - tuning is best effort; `elesium tune --from-log` redoes it
-        log.warning("calibration update after run %s failed", run_id, exc_info=True)
 
 
 def _emitter(publish: Any, modes: list[str]) -> Any:
@@ -197,7 +174,8 @@ def _emitter(publish: Any, modes: list[str]) -> Any:
 
 class Dispatcher:
     """One queue, two kinds of run: API runs (``kind: "api"``) and workflow runs submitted with
-    :func:`elesium.background.submit` (no kind). ``elesium serve`` and ``elesium worker`` both run it."""
+    :func:`elesium.graphs.background.submit` (no kind). ``elesium serve`` and ``elesium worker`` both
+    run it."""
 
     def __init__(self, api: ApiRunExecutor | None, workflows: Any | None) -> None:
         self.api, self.workflows = api, workflows

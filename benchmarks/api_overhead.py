@@ -67,7 +67,7 @@ def main() -> None:
     from elesium.api.server import BackgroundServer
     from elesium.api.settings import ApiSettings
     from elesium.api.worker import EngineWorker
-    from elesium.graphs import replay as rp
+    from elesium.graphs.execution import RunEngine, drive, run_config
     from elesium.inference.engine import Engine
     from elesium.inference.sampling import SamplingParams
     from elesium.state import RedisSaver
@@ -94,9 +94,10 @@ def main() -> None:
 
         def in_process_run(i: int) -> float:
             tid = f"bench-{i}-{time.time_ns()}"
-            config = rp.run_config(tid, tid, 1, "bench", rp.TappedEngine(engine), workflow=wf.name)
+            config = run_config(RunEngine(engine), run_id=tid, thread_id=tid, seed=1, tenant="bench",
+                                workflow=wf.name)
             t0 = time.perf_counter()
-            rp.drive(graph, {"topic": "rivers"}, config)
+            drive(graph, {"topic": "rivers"}, config)
             return time.perf_counter() - t0
 
         def engine_ttft() -> float:
@@ -121,10 +122,11 @@ def main() -> None:
             http = httpx.Client(base_url=url, headers={"x-api-key": key}, timeout=120)
             for i in range(args.runs * 5):
                 tid = f"rule-{i}-{time.time_ns()}"
-                config = rp.run_config(tid, tid, 1, "bench", rp.TappedEngine(engine), workflow=rule.name)
+                config = run_config(RunEngine(engine), run_id=tid, thread_id=tid, seed=1, tenant="bench",
+                                    workflow=rule.name)
                 t0 = time.perf_counter()
                 worker.submit(
-                    lambda config=config: rp.drive(rule_graph, {"topic": "rivers"}, config)
+                    lambda config=config: drive(rule_graph, {"topic": "rivers"}, config)
                 ).result()
                 rule_in_process.append(time.perf_counter() - t0)
                 tid = client.threads.create()["thread_id"]

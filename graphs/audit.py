@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elesium.inference.records import Generation, StepRecord
-from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
+from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog, LoggedStep
 
 
 def calls_key(log: AcceptanceLog, run_id: str) -> str:
@@ -47,7 +47,7 @@ def call_entries(
         run_id=run_id,
         node_id=node,
         step_id=first_step_id,
-        record=prefill,
+        record=LoggedStep.from_dict(prefill.to_dict()),
         kind="call",
         call_index=call_index,
         call_seed=call_seed,
@@ -60,7 +60,7 @@ def call_entries(
             run_id=run_id,
             node_id=node,
             step_id=first_step_id + 1 + i,
-            record=rec,
+            record=LoggedStep.from_dict(rec.to_dict()),
             call_index=call_index,
             call_seed=call_seed,
         )

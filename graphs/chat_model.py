@@ -8,7 +8,7 @@ the engine makes final, so LangChain's callbacks (``on_llm_new_token``) and Lang
 ``stream_mode="messages"`` see tokens as they are decoded.
 
 ``with_structured_output(PydanticModel)`` does not ask the model nicely for JSON: it binds a
-``Constraint.json_schema`` (contract C3), so decoding is masked to the schema's grammar and the
+``Constraint.json_schema``, so decoding is masked to the schema's grammar and the
 output always parses; the parse returns the validated pydantic instance.
 
 The async forms run the engine on one worker thread per call (the engine is synchronous, and a
@@ -22,6 +22,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from operator import itemgetter
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -44,6 +45,7 @@ from pydantic import ConfigDict, Field
 from elesium.inference.constraints import Constraint
 from elesium.inference.records import Generation
 from elesium.inference.sampling import SamplingParams
+from elesium.inference.types import GenerationRequest, TextEngine, generate
 
 # Per-call options ``invoke(..., **kwargs)`` / ``bind(...)`` may set; anything else is an error.
 _CALL_OPTIONS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "mode", "constraint")
@@ -61,8 +63,9 @@ class ChatElesium(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: Any = Field(exclude=True)
-    """The ``elesium.inference.engine.Engine`` to decode on (shared; one generation at a time)."""
+    engine: TextEngine = Field(exclude=True)
+    """The engine to decode on (:class:`~elesium.inference.types.TextEngine`: the ``Engine``, or the run's
+    recording wrapper inside a workflow)."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -81,19 +84,18 @@ class ChatElesium(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        info = getattr(self.engine, "weights_info", None)
-        return {"model_name": self._model_name(), "model_sha256": getattr(info, "sha256", ""),
+        return {"model_name": self._model_name(),
+                "model_sha256": self.engine.describe().get("model_sha256", ""),
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "max_tokens": self.max_tokens, "seed": self.seed, "mode": self.mode}
 
     def _model_name(self) -> str:
-        info = getattr(self.engine, "weights_info", None)
-        path = getattr(info, "path", None)
-        return str(getattr(path, "name", path) or "elesium")
+        model = self.engine.describe().get("model", "")
+        return Path(model).name if model else "elesium"
 
     # -- request building -------------------------------------------------------------------------
     def _request(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], SamplingParams, dict[str, Any]]:
+                 kwargs: dict[str, Any]) -> GenerationRequest:
         unknown = sorted(set(kwargs) - set(_CALL_OPTIONS) - {"stream", "ls_structured_output_format"})
         if unknown:
             raise ValueError(f"ChatElesium does not take {', '.join(unknown)}; "
@@ -106,7 +108,7 @@ class ChatElesium(BaseChatModel):
         constraint = opt["constraint"]
         if constraint is not None and not isinstance(constraint, Constraint):
             raise TypeError(f"constraint must be an elesium Constraint, not {type(constraint).__name__}")
-        return to_chat_messages(messages), params, {"mode": opt["mode"], "constraint": constraint}
+        return GenerationRequest(to_chat_messages(messages), params, mode=opt["mode"], constraint=constraint)
 
     # -- sync -------------------------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -114,8 +116,7 @@ class ChatElesium(BaseChatModel):
         if self.streaming or kwargs.get("stream"):
             chunks = list(self._stream(messages, stop, run_manager, **kwargs))
             return _result_from_chunks(chunks)
-        chat, params, extra = self._request(messages, stop, kwargs)
-        result = self.engine.generate(chat, params, **extra)
+        result = generate(self.engine, self._request(messages, stop, kwargs))
         message = AIMessage(content=result.text, usage_metadata=_usage(result),
                             response_metadata=self._metadata(result))
         generation = ChatGeneration(message=message, generation_info=self._metadata(result))
@@ -125,8 +126,7 @@ class ChatElesium(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        chat, params, extra = self._request(messages, stop, kwargs)
-        stream = self.engine.stream(chat, params, **extra)
+        stream = self.engine.start(self._request(messages, stop, kwargs))
         try:
             for piece in stream:
                 if not piece.text:

@@ -15,6 +15,7 @@ from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 
+from elesium.inference.types import TextEngine
 from elesium.state.acceptance_log import AcceptanceLog
 
 CONTEXT_KEY = "elesium"
@@ -44,7 +45,7 @@ class RunContext:
 
     run_id: str
     seed: int
-    engine: Any
+    engine: TextEngine
     tenant: str = "default"
     log: AcceptanceLog | None = None
     mode: str | None = None
@@ -54,7 +55,7 @@ class RunContext:
 
 
 def run_config(
-    engine: Any,
+    engine: TextEngine,
     *,
     run_seed: int,
     run_id: str | None = None,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.callbacks import CallbackManager
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, LLMResult
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_stream_writer
@@ -34,9 +34,10 @@ from elesium.graphs.calibration import node_policy
 from elesium.graphs.context import RunContext, get_run_context
 from elesium.graphs.prompts import PromptSource, TemplateFormat, render
 from elesium.graphs.seeds import derive_seed
-from elesium.graphs.structured import OutputSpec, constraints_available
+from elesium.graphs.structured import OutputSpec
 from elesium.inference.records import Generation
 from elesium.inference.sampling import SamplingParams
+from elesium.inference.types import CallTag, GenerationRequest
 
 CALLS_KEY = "llm_calls"
 
@@ -114,15 +115,12 @@ def call_llm(
     sampling = dataclasses.replace(params or SamplingParams(max_tokens=48), seed=seed)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    constrained = not spec.free_text and constraints_available(ctx.engine)
-    extra: dict[str, Any] = {"constraint": spec.constraint()} if constrained else {}
+    constrained = not spec.free_text
     decode_mode = mode or ctx.mode
     policy = node_policy(ctx, node, decode_mode)  # the node's calibrated tree policy, if any
-    if policy is not None:
-        extra["policy"] = policy
 
     message_id = f"{ctx.run_id}:{node}:{call_index}"
-    lc_messages = [SystemMessage(content=system)] if system else []
+    lc_messages: list[BaseMessage] = [SystemMessage(content=system)] if system else []
     lc_messages.append(HumanMessage(content=prompt))
     manager = CallbackManager.configure(
         config.get("callbacks"),
@@ -151,7 +149,9 @@ def call_llm(
     try:
         # Tokenised once: the same ids decode and go to the acceptance log (train-heads --from-log).
         prompt_ids = ctx.engine.encode_prompt(messages)
-        stream = ctx.engine.stream(prompt_ids, sampling, mode=decode_mode, **extra)
+        stream = ctx.engine.start(GenerationRequest(
+            prompt_ids, sampling, mode=decode_mode, constraint=spec.constraint() if constrained else None,
+            policy=policy, tag=CallTag(node, call_index)))
         for chunk in stream:
             if not chunk.text and not chunk.token_ids:
                 continue

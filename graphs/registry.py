@@ -1,4 +1,4 @@
-"""The workflow registry (contract C4): named, versioned graphs with a typed input.
+"""The workflow registry: named, versioned graphs with a typed input.
 
 A :class:`Workflow` pairs a ``StateGraph`` factory with what a service needs to run it safely: an
 input model (validated before anything is written), a description, and a content-hash version
@@ -154,19 +154,3 @@ class Registry:
                 f"workflow {name!r} has no version {version!r} (registered: {', '.join(sorted(versions))})"
             )
         return versions[version]
-
-
-_DEFAULT: Registry | None = None
-
-
-def default_registry() -> Registry:
-    """The shipped workflows (built once per process)."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        from elesium.graphs.workflows import shipped
-
-        registry = Registry()
-        for workflow in shipped():
-            registry.register(workflow)
-        _DEFAULT = registry
-    return _DEFAULT

@@ -15,306 +15,40 @@ deterministic and exact (a seeded run reproduces token for token), so an audit c
 A run is replayed together with the earlier operations of its thread (an approval resume only makes
 sense after the run that raised the interrupt), so the verdict covers the run and its ancestors.
 
-This module also holds what recording needs at run time, because replay must drive the graph exactly
-as the live run did: :class:`TappedEngine` (the engine as the graph sees it: records each call by
-node and call index, streams token chunks, honours cancellation, serves recorded calls) and
-:func:`drive` (one run of a compiled graph with stream events, returning the run's outcome).
+Re-execution drives the graph through :mod:`elesium.graphs.execution`, the same code a live run takes
+(:class:`~elesium.graphs.execution.RunEngine` serves the record in recorded mode); this module only
+compares and reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
-from elesium.state.errors import StateError
+from elesium.graphs.execution import (
+    Divergence,
+    DivergenceError,
+    LLMCall,
+    RunEngine,
+    command_from,
+    drive,
+    recorded_calibrations,
+    run_config,
+)
+from elesium.graphs.serialization import jsonable
+from elesium.inference.types import TextEngine
 
-Emit = Callable[[str, Any], None]
-
-
-class RunCancelled(Exception):
-    """The run was cancelled (client disconnect or a cancel request); raised inside the graph."""
-
-
-class DivergenceError(Exception):
-    """Recorded-mode replay: the graph asked for an LLM call the record does not have."""
-
-    def __init__(self, divergence: Divergence) -> None:
-        super().__init__(divergence.describe())
-        self.divergence = divergence
-
-
-class LLMCall(BaseModel):
-    """One recorded generation: where it ran, from what, and every token it produced."""
-
-    node: str
-    call: int
-    seed: int
-    mode: str
-    prompt_sha256: str
-    prompt_tokens: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    steps: int = 0
-    accepted: int = 0  # draft tokens accepted over the call (tokens minus steps minus the prefill token)
-
-
-class Divergence(BaseModel):
-    """The first place a replay differs from its record."""
-
-    run_id: str | None = None
-    node: str | None = None
-    call: int | None = None
-    step: int | None = None
-    field: str
-    recorded: Any = None
-    replayed: Any = None
-
-    def describe(self) -> str:
-        where = ", ".join(
-            f"{k}={v}"
-            for k, v in (("run", self.run_id), ("node", self.node), ("call", self.call), ("step", self.step))
-            if v is not None
-        )
-        return (
-            f"diverged at {where or 'start'} field {self.field}: recorded {self.recorded!r}, "
-            f"replayed {self.replayed!r}"
-        )
-
-
-def prompt_digest(engine: Any, prompt: Any, raw: bool) -> tuple[str, int]:
-    """sha256 and length of the prompt's token ids: what the call actually fed the model."""
-    ids = engine.encode_prompt(prompt, raw=raw)
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest(), len(ids)
-
-
-def current_node() -> str:
-    """The LangGraph node executing on this thread (from the runnable config), or "?" outside one."""
-    try:
-        from langgraph.config import get_config
-
-        return str(get_config().get("metadata", {}).get("langgraph_node", "?"))
-    except Exception:  # noqa: BLE001 - called outside a graph (plain use of the engine)
-        return "?"
-
-
-class TappedEngine:
-    """The engine as a graph's LLM nodes see it during an API run or a replay.
-
-    Everything but ``stream``/``generate`` is delegated to the real engine. Those two record each call
-    (node, per-node call index, seed, prompt digest, tokens), forward token chunks to ``on_chunk``
-    (the API's ``messages`` stream mode), report each finished call to ``on_call`` (a queued run
-    persists it at once, so a worker that dies mid-run loses none), collect decode steps, stop at once
-    when ``cancelled`` is set (closing the engine stream, which releases the engine), and in recorded
-    mode serve ``recorded`` calls instead of generating.
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        *,
-        recorded: list[LLMCall] | None = None,
-        on_chunk: Callable[[str, int, str], None] | None = None,
-        cancelled: threading.Event | None = None,
-        on_call: Callable[[LLMCall], None] | None = None,
-    ) -> None:
-        self._engine = engine
-        self.on_call = on_call
-        self._recorded = {(c.node, c.call): c for c in recorded} if recorded is not None else None
-        self.on_chunk = on_chunk
-        self.cancelled = cancelled or threading.Event()
-        self.calls: list[LLMCall] = []
-        self.steps: list[tuple[str, Any]] = []  # (node, StepRecord) in decode order
-        self._counters: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @property
-    def unserved(self) -> list[LLMCall]:
-        """Recorded calls the replay never asked for (recorded mode)."""
-        if self._recorded is None:
-            return []
-        done = {(c.node, c.call) for c in self.calls}
-        return [
-            c
-            for k, c in sorted(self._recorded.items(), key=lambda kv: (kv[1].node, kv[1].call))
-            if k not in done
-        ]
-
-    def generate(self, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
-        stream = self.stream(prompt, params, **kwargs)
-        for _ in stream:
-            pass
-        return stream.result
-
-    def stream(
-        self,
-        prompt: Any,
-        params: Any = None,
-        *,
-        mode: Any = None,
-        raw: bool = False,
-        on_step: Callable[[Any], None] | None = None,
-        **kwargs: Any,
-    ) -> _TappedStream:
-        node = current_node()
-        with self._lock:
-            index = self._counters.get(node, 0)
-            self._counters[node] = index + 1
-        if self.cancelled.is_set():
-            raise RunCancelled("the run was cancelled")
-        digest, n_prompt = prompt_digest(self._engine, prompt, raw)
-        if self._recorded is not None:
-            rec = self._recorded.get((node, index))
-            if rec is None or rec.prompt_sha256 != digest:
-                raise DivergenceError(
-                    Divergence(
-                        node=node,
-                        call=index,
-                        field="path" if rec is None else "prompt",
-                        recorded=None if rec is None else rec.prompt_sha256[:16],
-                        replayed=f"llm call {node}#{index}" if rec is None else digest[:16],
-                    )
-                )
-            return _TappedStream(self, node, index, None, rec)
-        inner = self._engine.stream(
-            prompt, params, mode=mode, raw=raw, on_step=self._step_hook(node, on_step), **kwargs
-        )
-        return _TappedStream(self, node, index, inner, None, digest=digest, n_prompt=n_prompt)
-
-    def record(self, call: LLMCall) -> None:
-        self.calls.append(call)
-        if self.on_call is not None:
-            self.on_call(call)
-
-    def _step_hook(self, node: str, user: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        def hook(record: Any) -> None:
-            self.steps.append((node, record))
-            if user is not None:
-                user(record)
-
-        return hook
-
-
-class _TappedStream:
-    """Wraps a GenerationStream (or a recorded call) with recording, chunk forwarding and cancellation."""
-
-    def __init__(
-        self,
-        tap: TappedEngine,
-        node: str,
-        index: int,
-        inner: Any,
-        rec: LLMCall | None,
-        *,
-        digest: str = "",
-        n_prompt: int = 0,
-    ) -> None:
-        self.tap, self.node, self.index, self.inner, self.rec = tap, node, index, inner, rec
-        self.digest, self.n_prompt = digest, n_prompt
-        self._result: Any = None
-        self._iter = self._run()
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._iter
-
-    def __next__(self) -> Any:
-        return next(self._iter)
-
-    def close(self) -> None:
-        if self.inner is not None and hasattr(self.inner, "close"):
-            self.inner.close()
-
-    @property
-    def result(self) -> Any:
-        if self._result is None:
-            raise RuntimeError("the stream has not finished; iterate it to the end first")
-        return self._result
-
-    def _run(self) -> Iterator[Any]:
-        from elesium.inference.records import Chunk, Generation
-
-        if self.rec is not None:
-            rec = self.rec
-            if self.tap.on_chunk is not None and rec.text:
-                self.tap.on_chunk(self.node, self.index, rec.text)
-            yield Chunk(rec.text, tuple(rec.token_ids))
-            self._result = Generation(
-                text=rec.text,
-                token_ids=tuple(rec.token_ids),
-                prompt_tokens=rec.prompt_tokens,
-                finish_reason=rec.finish_reason,
-                mode=rec.mode,
-                seed=rec.seed,
-                elapsed_s=0.0,
-            )
-            self.tap.record(rec)
-            return
-        finished = False
-        try:
-            for chunk in self.inner:
-                if self.tap.cancelled.is_set():
-                    raise RunCancelled("the run was cancelled")
-                if self.tap.on_chunk is not None and chunk.text:
-                    self.tap.on_chunk(self.node, self.index, chunk.text)
-                yield chunk
-            finished = True
-        finally:
-            if not finished:  # stopped early (cancel, error, consumer gone): release the engine now
-                self.close()
-        gen = self.inner.result
-        self._result = gen
-        steps = len(gen.steps)
-        self.tap.record(
-            LLMCall(
-                node=self.node,
-                call=self.index,
-                seed=int(gen.seed),
-                mode=str(gen.mode),
-                prompt_sha256=self.digest,
-                prompt_tokens=gen.prompt_tokens,
-                token_ids=list(gen.token_ids),
-                text=gen.text,
-                finish_reason=str(gen.finish_reason),
-                steps=steps,
-                accepted=sum(max(0, s.accepted_length - 1) for s in gen.steps),
-            )
-        )
+__all__ = ["Divergence", "LLMCall", "ReplayRefused", "ReplayReport", "compare_calls", "compare_checkpoints",
+           "first_difference", "jsonable", "replay_stored_run", "replay_thread"]
 
 
 # ---------------------------------------------------------------- serialisation and comparison
-def jsonable(obj: Any) -> Any:
-    """A JSON-ready copy of graph values (pydantic models, dataclasses, messages, interrupts)."""
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, BaseModel):
-        return jsonable(obj.model_dump(mode="json"))
-    type_name = type(obj).__name__
-    if type_name == "Interrupt":
-        return {"value": jsonable(getattr(obj, "value", None)), "id": str(getattr(obj, "id", ""))}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return jsonable(dataclasses.asdict(obj))
-    if hasattr(obj, "model_dump"):
-        return jsonable(obj.model_dump())
-    if hasattr(obj, "_asdict"):
-        return jsonable(obj._asdict())
-    return repr(obj)
-
-
 def first_difference(recorded: Any, replayed: Any, path: str = "") -> tuple[str, Any, Any] | None:
     """(field path, recorded, replayed) of the first difference between two JSON-like values."""
     if isinstance(recorded, dict) and isinstance(replayed, dict):
@@ -335,115 +69,6 @@ def first_difference(recorded: Any, replayed: Any, path: str = "") -> tuple[str,
             return f"{path}.length", len(recorded), len(replayed)
         return None
     return None if recorded == replayed else (path or "value", recorded, replayed)
-
-
-# ---------------------------------------------------------------- driving one run
-@dataclasses.dataclass
-class Outcome:
-    """How one run of a graph ended."""
-
-    status: str  # success | interrupted | error
-    values: Any
-    interrupts: list[dict[str, Any]]
-    checkpoints: list[str]
-    error: str | None = None
-
-
-def checkpoint_ids(graph: Any, thread_id: str) -> list[str]:
-    """The thread's checkpoint ids (root namespace), oldest first."""
-    config = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
-    ids = [t.config["configurable"]["checkpoint_id"] for t in graph.checkpointer.list(config)]
-    return list(reversed(ids))
-
-
-def run_config(
-    thread_id: str,
-    run_id: str,
-    seed: int,
-    tenant: str,
-    engine: Any,
-    checkpoint_id: str | None = None,
-    log: Any = None,
-    workflow: str = "",
-    mode: str | None = None,
-    calibrator: Any = None,
-    calibrations: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """The RunnableConfig of an API run or a replay (C4's keys and RunContext, with the tapped engine).
-
-    ``calibrator`` / ``calibrations``: per-node tree calibrations (graphs/calibration.py); None keeps
-    every node on the engine's global policy. A re-execution passes the run's recorded versions.
-    """
-    from elesium.graphs.context import run_config as context_config
-
-    config = context_config(
-        engine,
-        run_seed=seed,
-        run_id=run_id,
-        thread_id=thread_id,
-        tenant=tenant,
-        log=log,
-        workflow=workflow,
-        mode=mode,
-        metadata={"run_id": run_id},
-        recursion_limit=50,
-        calibrator=calibrator,
-        calibrations=calibrations,
-    )
-    if checkpoint_id:
-        config["configurable"]["checkpoint_id"] = checkpoint_id
-    return config
-
-
-def drive(
-    graph: Any,
-    graph_input: Any,
-    config: dict[str, Any],
-    *,
-    emit: Emit | None = None,
-    cancelled: threading.Event | None = None,
-    stream_modes: tuple[str, ...] = ("values", "updates"),
-) -> Outcome:
-    """Run ``graph`` once (input, or a ``Command`` to resume) and report how it ended.
-
-    ``emit(mode, chunk)`` receives each streamed part (JSON-ready). Raises :class:`RunCancelled` when
-    ``cancelled`` is set between super-steps (the LLM nodes check it between tokens).
-    """
-    thread_id = config["configurable"]["thread_id"]
-    before = set(checkpoint_ids(graph, thread_id))
-    try:
-        for mode, chunk in graph.stream(graph_input, config, stream_mode=list(stream_modes)):
-            if cancelled is not None and cancelled.is_set():
-                raise RunCancelled("the run was cancelled")
-            if emit is not None:
-                emit(mode, jsonable(chunk))
-    except (RunCancelled, DivergenceError, StateError):
-        raise  # StateError: Redis down or the lease lost, not the run's fault; the run is retried
-    except Exception as exc:  # noqa: BLE001 - a node failed: the run ends in error, recorded
-        after = [c for c in checkpoint_ids(graph, thread_id) if c not in before]
-        return Outcome("error", None, [], after, error=f"{type(exc).__name__}: {exc}")
-    state_config = {"configurable": {"thread_id": thread_id}}
-    snapshot = graph.get_state(state_config)
-    interrupts = [jsonable(i) for i in getattr(snapshot, "interrupts", ())]
-    after = [c for c in checkpoint_ids(graph, thread_id) if c not in before]
-    return Outcome("interrupted" if interrupts else "success", jsonable(snapshot.values), interrupts, after)
-
-
-def command_from(request: dict[str, Any]) -> Any:
-    """The graph input of a protocol run request: its ``input``, or its ``command`` as a Command."""
-    from langgraph.types import Command
-
-    command = request.get("command")
-    if command:
-        kwargs: dict[str, Any] = {}
-        if "resume" in command:
-            kwargs["resume"] = command["resume"]
-        if command.get("update") is not None:
-            kwargs["update"] = command["update"]
-        if command.get("goto") is not None:
-            kwargs["goto"] = command["goto"]
-        return Command(**kwargs)
-    return request.get("input")
 
 
 # ---------------------------------------------------------------- replay
@@ -616,7 +241,7 @@ def replay_thread(
     *,
     workflow: Any,
     recorded_version: str,
-    engine: Any,
+    engine: TextEngine,
     saver: Any,
     thread_id: str,
     target_run: str,
@@ -691,16 +316,14 @@ def replay_thread(
                 continue
             if rec.status in ("pending", "running"):
                 break
-            tap = TappedEngine(
-                engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled
-            )
+            tap = RunEngine(engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled)
             fork = rec.request.get("checkpoint_id")
             config = run_config(
-                scratch,
-                rec.run_id,
-                rec.seed,
-                rec.tenant,
                 tap,
+                thread_id=scratch,
+                run_id=rec.run_id,
+                seed=rec.seed,
+                tenant=rec.tenant,
                 checkpoint_id=id_map.get(fork, fork) if fork else None,
                 workflow=workflow.name,
                 mode=rec.request.get("mode"),
@@ -762,7 +385,7 @@ def replay_stored_run(
     *,
     store: Any,
     registry: Any,
-    engine: Any,
+    engine: TextEngine,
     saver: Any,
     run_id: str,
     mode: str,
@@ -781,8 +404,6 @@ def replay_stored_run(
     The recorded workflow version is used when still registered, else the current one (and the report
     says so). Raises KeyError for an unknown run, :class:`ReplayRefused` for one that cannot be replayed.
     """
-    from elesium.graphs.fingerprint import engine_fingerprint
-
     target = store.get_run_any(run_id) if tenant is None else store.get_run(run_id, tenant)
     if target is None:
         raise KeyError(f"run {run_id!r} not found")
@@ -805,7 +426,7 @@ def replay_stored_run(
             checkpoints=r.checkpoints,
             calls=[LLMCall(**c) for c in store.calls(rid)],
             status=r.status,
-            calibrations=_recorded_calibrations(runs_registry, rid),
+            calibrations=_pins(recorded_calibrations(runs_registry, rid)),
         )
         for rid, r in rows.items()
     }
@@ -814,7 +435,7 @@ def replay_stored_run(
     except KeyError:
         workflow = registry.get(target.workflow)
     recorded_mode = target.request.get("mode")
-    now = fingerprint(recorded_mode) if fingerprint is not None else engine_fingerprint(engine, recorded_mode)
+    now = fingerprint(recorded_mode) if fingerprint is not None else engine.fingerprint(recorded_mode)
     report = replay_thread(
         workflow=workflow,
         recorded_version=target.workflow_version,
@@ -834,9 +455,6 @@ def replay_stored_run(
     return report
 
 
-def _recorded_calibrations(runs_registry: Any, run_id: str) -> dict[str, str]:
+def _pins(calibrations: dict[str, str]) -> dict[str, str]:
     """Non-global versions a run's nodes decoded with (``global`` needs no pin: it is the default)."""
-    record = runs_registry.get(run_id) if runs_registry is not None else None
-    if record is None:
-        return {}
-    return {node: label for node, label in record.calibrations.items() if label != "global"}
+    return {node: label for node, label in calibrations.items() if label != "global"}

@@ -1,6 +1,6 @@
 """Running registered workflows on the Redis checkpointer, with a run record and an audit trail.
 
-:class:`WorkflowRunner` (contract C4) is what the CLI, the API and the queue worker call. Order
+:class:`WorkflowRunner` is what the CLI calls (runs are driven by :mod:`elesium.graphs.execution`). Order
 matters: the input is validated (and the workflow and version looked up) before anything is
 written, so a bad request leaves no run record, no checkpoint and no acceptance stream. Then the
 run is registered with everything a re-execution needs (workflow version, input, run seed, tenant,
@@ -11,7 +11,6 @@ continues it with ``Command(resume=value)`` after checking the engine is the one
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -22,10 +21,11 @@ from pydantic import BaseModel, ValidationError
 
 from elesium.errors import UserError
 from elesium.graphs.calibration import NodeCalibrator
-from elesium.graphs.context import run_config
-from elesium.graphs.fingerprint import engine_fingerprint
-from elesium.graphs.registry import Registry, Workflow, default_registry
+from elesium.graphs.execution import EngineMismatchError, RunEngine, check_engine, drive, learn, run_config
+from elesium.graphs.registry import Registry, Workflow
 from elesium.graphs.seeds import fresh_run_seed
+from elesium.graphs.workflows import default_registry
+from elesium.inference.types import TextEngine
 from elesium.state.acceptance_log import AcceptanceLog, Retention
 from elesium.state.calibrations import CalibrationStore
 from elesium.state.checkpointer import RedisSaver
@@ -45,8 +45,8 @@ class RunStateError(UserError, ValueError):
     """The run cannot do what was asked in its current state (e.g. resume a finished run)."""
 
 
-class EngineMismatchError(UserError, ValueError):
-    """Resuming on an engine whose fingerprint differs from the one the run started on."""
+__all__ = ["EngineMismatchError", "InputValidationError", "RunResult", "RunStateError", "WorkflowRunner",
+           "validate"]
 
 
 def validate(model: type[BaseModel], value: Any, what: str) -> dict[str, Any]:
@@ -95,7 +95,7 @@ class WorkflowRunner:
 
     def __init__(
         self,
-        engine: Any,
+        engine: TextEngine,
         redis_url: str | None = None,
         *,
         registry: Registry | None = None,
@@ -115,7 +115,7 @@ class WorkflowRunner:
         # Trials compare arms on the engine's own cost curve (read at decision time: a re-tuned
         # engine's curve is the one that matters).
         self.calibrator = NodeCalibrator(CalibrationStore.from_url(url, prefix=f"{prefix}:calib"), self.log,
-                                         runs=self.runs, cost=lambda n: self.engine.policy.cost(n))
+                                         runs=self.runs, cost=self.engine.step_cost)
 
     def workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
         return workflow if isinstance(workflow, Workflow) else self.registry.get(workflow, version)
@@ -153,7 +153,7 @@ class WorkflowRunner:
             tenant=tenant,
             thread_id=thread_id or run_id,
             input=values,
-            engine=engine_fingerprint(self.engine, self.mode),
+            engine=self.engine.fingerprint(self.mode),
             calibrations=dict(calibrations or {}),
         )
         self.runs.create(record)
@@ -177,16 +177,7 @@ class WorkflowRunner:
         wf = self.registry.get(record.workflow, record.workflow_version)
         if wf.resume_model is not None:
             value = validate(wf.resume_model, value, f"invalid resume value for workflow {wf.name!r}")
-        mode = record.engine.get("mode") or None
-        current = engine_fingerprint(self.engine, mode)
-        if record.engine and current != record.engine:
-            diff = sorted(
-                k for k in set(current) | set(record.engine) if current.get(k) != record.engine.get(k)
-            )
-            raise EngineMismatchError(
-                f"run {run_id!r} started on a different engine ({', '.join(diff)} differ); "
-                "resume it where the same model, heads, profile, dtype and device are loaded"
-            )
+        check_engine(self.engine, record.engine, record.engine.get("mode") or None, what=f"run {run_id!r}")
         self.runs.update_status(run_id, RunStatus.RUNNING)
         return self._execute(wf, record, Command(resume=value), on_event)
 
@@ -195,62 +186,34 @@ class WorkflowRunner:
     ) -> RunResult:
         seed = record.seeds["run"]
         thread_id = record.thread_id or record.run_id
-        mode = record.engine.get("mode") or self.mode
         graph = wf.build(self.saver)
-        config = run_config(
-            self.engine,
-            run_seed=seed,
-            run_id=record.run_id,
-            thread_id=thread_id,
-            tenant=record.tenant,
-            log=self.log,
-            mode=mode,
-            workflow=wf.name,
-            calibrator=self.calibrator,
-            calibrations=record.calibrations,
-        )
-        result = RunResult(
-            run_id=record.run_id,
-            thread_id=thread_id,
-            workflow=wf.name,
-            workflow_version=wf.version,
-            status="failed",
-            seed=seed,
-            fingerprint=dict(record.engine),
-        )
-        try:
-            for mode_name, payload in graph.stream(graph_input, config, stream_mode=["updates", "custom"]):
-                if on_event is not None:
-                    on_event(mode_name, payload)
-            snapshot = graph.get_state(config)
-        except Exception as exc:  # noqa: BLE001 - a node failed: the run is recorded as failed
-            result.error = (str(exc).splitlines() or [type(exc).__name__])[0] or type(exc).__name__
-            self.runs.update_status(
-                record.run_id, RunStatus.FAILED, error=f"{type(exc).__name__}: {result.error}"
-            )
-            result.acceptance = self.acceptance_summary(record.run_id)
-            return result
-        result.state = dict(snapshot.values)
-        if snapshot.interrupts:
+        engine = RunEngine(self.engine)
+        config = run_config(engine, run_id=record.run_id, thread_id=thread_id, seed=seed,
+                            tenant=record.tenant, log=self.log, mode=record.engine.get("mode") or self.mode,
+                            workflow=wf.name,
+                            calibrator=self.calibrator, calibrations=record.calibrations)
+        result = RunResult(run_id=record.run_id, thread_id=thread_id, workflow=wf.name,
+                           workflow_version=wf.version, status="failed", seed=seed,
+                           fingerprint=dict(record.engine))
+        outcome = drive(graph, graph_input, config, emit=on_event, stream_modes=("updates", "custom"))
+        if outcome.status == "error":
+            exc = outcome.exception
+            message = str(exc) if exc is not None else (outcome.error or "")
+            name = type(exc).__name__ if exc is not None else "Error"
+            result.error = (message.splitlines() or [name])[0] or name
+            self.runs.update_status(record.run_id, RunStatus.FAILED, error=f"{name}: {result.error}")
+        elif outcome.status == "interrupted":
+            result.state = dict(outcome.values)
             result.status = "interrupted"
-            result.interrupt = [{"id": i.id, "value": i.value} for i in snapshot.interrupts]
+            result.interrupt = [{"id": i["id"], "value": i["value"]} for i in outcome.interrupts]
             self.runs.update_status(record.run_id, RunStatus.INTERRUPTED)
         else:
+            result.state = dict(outcome.values)
             result.status = "succeeded"
             self.runs.update_status(record.run_id, RunStatus.SUCCEEDED)
-            self._learn(wf.name, record.run_id)
+            learn(self.calibrator, wf.name, record.run_id)
         result.acceptance = self.acceptance_summary(record.run_id)
         return result
-
-    def _learn(self, workflow: str, run_id: str) -> None:
-        """Fold a succeeded run into its nodes' calibrations; a failure there must not fail the run."""
-        if not self.calibrator.learn:
-            return
-        try:
-            self.calibrator.fold_run(workflow, run_id)
-        except Exception:  # noqa: BLE001 - tuning is best effort; `elesium tune --from-log` redoes it
-            logging.getLogger(__name__).warning("calibration update after run %s failed", run_id,
-                                                exc_info=True)
 
     def acceptance_summary(self, run_id: str) -> dict[str, Any]:
         """Whole-run and per-node tau, tokens and LLM calls, from the run's acceptance stream."""

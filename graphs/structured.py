@@ -10,7 +10,6 @@ fails loudly instead of guessing.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import re
 from collections.abc import Sequence
@@ -24,22 +23,6 @@ from elesium.inference.constraints import Constraint
 
 class StructuredOutputError(ValueError):
     """The model's answer does not parse into the node's output type."""
-
-
-def constraints_available(engine: Any) -> bool:
-    """Whether ``engine`` (or the engine a wrapper forwards to) takes a ``constraint``."""
-    seen = 0
-    while engine is not None and seen < 8:  # wrappers (replay's TappedEngine) forward **kwargs inward
-        try:
-            params = inspect.signature(engine.stream).parameters
-        except (TypeError, ValueError, AttributeError):
-            return False
-        if "constraint" in params:
-            return True
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return False
-        engine, seen = getattr(engine, "_engine", None), seen + 1
-    return False
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,17 @@ second on the CPU. ``approval_changed`` is ``approval`` with another prompt: sam
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Annotated, Any
 
+from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import interrupt
 from pydantic import BaseModel, Field
 
-from elesium.graphs.llm import WorkflowState, llm_node
+from elesium.graphs.llm import WorkflowState, call_llm, llm_node
 from elesium.graphs.registry import Registry, Workflow
+from elesium.inference.sampling import SamplingParams
 
 
 class TopicIn(BaseModel):
@@ -126,6 +129,37 @@ def relay() -> Workflow:
     return Workflow.define("relay", _relay_factory, TopicIn, description="two LLM calls in a row")
 
 
+class LoopState(WorkflowState, total=False):
+    topic: str
+    notes: Annotated[list[str], operator.add]
+
+
+def _loop_node(state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
+    """One node that asks the model twice per visit, numbering its calls from the checkpointed state
+    (as ``llm_node`` does): the case where a process-local call counter and the state disagree after a
+    worker dies inside the node's second visit."""
+    base = int((state.get("llm_calls") or {}).get("draft", 0))
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10)
+    first = call_llm(config, node="draft", call_index=base, prompt=f"One fact about {state['topic']}.",
+                     params=sampled)
+    second = call_llm(config, node="draft", call_index=base + 1, prompt=f"Say more: {first.value}",
+                      params=SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40))
+    return {"notes": [first.value, second.value], "llm_calls": {"draft": 2}}
+
+
+def _loop_factory() -> StateGraph:
+    builder = StateGraph(LoopState)
+    builder.add_node("draft", _loop_node)
+    builder.add_edge(START, "draft")
+    builder.add_conditional_edges("draft", lambda s: "draft" if len(s.get("notes") or []) < 4 else END)
+    return builder
+
+
+def loop() -> Workflow:
+    """A node visited twice that calls the model twice per visit, sampled: four calls, indices 0..3."""
+    return Workflow.define("loop", _loop_factory, TopicIn, description="two visits of a two-call node")
+
+
 def summary() -> Workflow:
     return Workflow.define("summary", _summary_factory, TopicIn, description="one LLM call")
 
@@ -143,7 +177,7 @@ def build_registry() -> EditableRegistry:
     from elesium.graphs.workflows import shipped
 
     registry = EditableRegistry()
-    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), relay(),
+    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), relay(), loop(),
                      *shipped()):
         registry.register(workflow)
     return registry

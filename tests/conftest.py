@@ -1,10 +1,27 @@
-"""Shared fixtures: the real bundled model, loaded once per session on the CPU in float32."""
+"""Shared fixtures: the real bundled model, loaded once per session on the CPU in float32.
+
+The session's cache directory (packed CPU weights, compiled step graphs, tuned profiles) is a fresh
+temporary one, set before anything loads, so a test run neither reads nor writes the user's
+``~/.cache/elesium`` (``ELESIUM_TEST_CACHE_DIR`` names a directory to reuse between local runs instead;
+CI leaves it unset).
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
+import tempfile
 
 import pytest
+
+if os.environ.get("ELESIUM_TEST_CACHE_DIR"):
+    os.environ["ELESIUM_CACHE_DIR"] = os.environ["ELESIUM_TEST_CACHE_DIR"]
+else:
+    _cache = tempfile.mkdtemp(prefix="elesium-test-cache-")
+    os.environ["ELESIUM_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)
 
 from helpers import MT_BENCH
 

@@ -23,10 +23,10 @@ from typing import Any, TypedDict
 from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 
+from elesium.graphs.background import GraphExecutor
 from elesium.inference.sampling import SamplingParams
 from elesium.state.acceptance_log import AcceptanceEntry, Retention
 from elesium.state.fenced import FencedSaver
-from elesium.state.graph_executor import GraphExecutor
 from elesium.state.queue import Lease, RunQueue
 
 TOPICS = ["a fruit", "a colour", "a planet", "an animal", "a river", "a city", "a tool", "a song"]

@@ -31,6 +31,7 @@ def test_assistants_one_per_workflow_version(client):
         "approval-versioned",
         "expense-approval",
         "incident-summary",
+        "loop",
         "relay",
         "story",
         "summary",

@@ -127,6 +127,7 @@ def _steps(server: LiveServer, thread_id: str) -> list[int]:
     return sorted(t.metadata["step"] for t in tuples)
 
 
+@pytest.mark.slow
 def test_a_worker_process_executes_streams_and_survives_a_crash(
     remote: Remote, api_server: LiveServer
 ) -> None:
@@ -198,6 +199,50 @@ def test_a_worker_process_executes_streams_and_survives_a_crash(
     assert (row["status"], row["error"]) == ("interrupted", "cancelled"), remote.logs()
     assert remote.server.services.queue.status(run["run_id"]).status == "cancelled"
     assert there.threads.get(tid)["status"] == "idle"
+    assert b.terminate() == 0, remote.logs()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_inside_a_two_call_node_resumes_with_the_checkpointed_call_index(
+    remote: Remote, api_server: LiveServer
+) -> None:
+    """Issue 42: one call counter, in the checkpointed state. The node ``draft`` is visited twice and
+    calls the model twice per visit (indices 0, 1, then 2, 3). Worker A is killed inside the second
+    visit, after call 2 is stored; worker B re-runs that visit. A process-local counter would number
+    B's calls 0 and 1 again, overwrite the first visit's records and make replay report a false
+    divergence; the state's count numbers them 2 and 3."""
+    here = get_sync_client(url=api_server.url, api_key=KEY_A)
+    there = get_sync_client(url=remote.server.url, api_key=KEY_A)
+    base_thread = here.threads.create()["thread_id"]
+    seeded = {"configurable": {"run_seed": 11}}
+    base = here.runs.create(base_thread, "loop", input={"topic": "tides"}, config=seeded)
+    base_values = here.runs.join(base_thread, base["run_id"])
+    base_calls = [(c["node"], c["call"], c["token_ids"])
+                  for c in api_server.services.store.calls(base["run_id"])]
+    assert [(n, i) for n, i, _ in base_calls] == [("draft", i) for i in range(4)]
+
+    a = remote.spawn("A2")
+    tid = there.threads.create()["thread_id"]
+    run = there.runs.create(tid, "loop", input={"topic": "tides"}, config=seeded)
+    store = remote.server.services.store
+    _wait(lambda: len(store.calls(run["run_id"])) >= 3, "the second visit's first call", remote)
+    assert store.get_run_any(run["run_id"]).status == "running", "the run finished before the kill"
+    a.kill9()
+    b = remote.spawn("B2")
+    values = there.runs.join(tid, run["run_id"])
+    assert there.runs.get(tid, run["run_id"])["status"] == "success", remote.logs()
+    assert remote.server.services.queue.status(run["run_id"]).attempts >= 2
+
+    assert values["notes"] == base_values["notes"]
+    assert values["llm_calls"] == {"draft": 4}
+    calls = [(c["node"], c["call"], c["token_ids"]) for c in store.calls(run["run_id"])]
+    assert calls == base_calls
+    http = httpx.Client(base_url=remote.server.url, headers={"x-api-key": KEY_A}, timeout=TIMEOUT_S)
+    for mode in ("reexecute", "recorded"):
+        report = http.post(f"/threads/{tid}/runs/{run['run_id']}/replay", json={"mode": mode})
+        assert report.status_code == 200, report.text
+        assert report.json()["verdict"] == "identical", report.json()
+        assert report.json()["calls_compared"] == 4
     assert b.terminate() == 0, remote.logs()
 
 

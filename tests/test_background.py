@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from elesium.background import WorkflowExecutor, submit
 from elesium.graphs.audit import call_tokens
+from elesium.graphs.background import WorkflowExecutor, submit
 from elesium.graphs.runner import InputValidationError, WorkflowRunner
 from elesium.state.queue import IdempotencyConflictError, RunQueue
 from elesium.state.queue_worker import QueueWorker
@@ -88,16 +88,14 @@ class _SlowEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def stream(self, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
-        inner = kwargs.pop("on_step", None)
-
-        def on_step(record: Any) -> None:
+    def start(self, request: Any, *, on_step: Any = None) -> Any:
+        def slow_step(record: Any) -> None:
             self.decoding.set()
             time.sleep(0.2)
-            if inner is not None:
-                inner(record)
+            if on_step is not None:
+                on_step(record)
 
-        return self._engine.stream(prompt, params, on_step=on_step, **kwargs)
+        return self._engine.start(request, on_step=slow_step)
 
 
 def test_cancel_stops_the_llm_call(engine: Any, state_server: Any) -> None:

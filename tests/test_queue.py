@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import pytest
+import redis.exceptions
 from langgraph.graph import END, START, StateGraph
 
+from elesium.graphs.background import GraphExecutor, drive_leased
 from elesium.inference.records import StepRecord
 from elesium.state.acceptance_log import AcceptanceEntry, AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
+from elesium.state.errors import WrongTypeError
 from elesium.state.fenced import entry_attempts
-from elesium.state.graph_executor import GraphExecutor, drive
 from elesium.state.queue import (
     Delivery,
     IdempotencyConflictError,
@@ -256,7 +258,7 @@ class _LostCheckpoint(RedisSaver):
 
 
 class _OpenLease:
-    """``drive`` only asks a lease whether it still holds; this one always does."""
+    """``drive_leased`` only asks a lease whether it still holds; this one always does."""
 
     def check(self) -> None:
         return None
@@ -267,14 +269,15 @@ def test_a_step_whose_checkpoint_was_lost_is_resumed_not_taken_as_finished(
         queue: RunQueue, key_prefix: str, lose_step: int) -> None:
     """The finished-run check must see the saved-but-uncheckpointed tasks as work left to do."""
     cp, thread = f"{key_prefix}:cp{lose_step}", f"run-lost-{lose_step}"
-    config = {"configurable": {"thread_id": thread}}
+    config = {"configurable": {"thread_id": thread, "run_id": thread}, "metadata": {"run_id": thread}}
     lease = _OpenLease()
     first = _graph(_LostCheckpoint(queue.client, prefix=cp, lose_step=lose_step))
     with pytest.raises(ConnectionError):
-        drive(first, lease, {"n": 1, "trail": []}, config)  # type: ignore[arg-type]
+        drive_leased(first, lease, {"n": 1, "trail": []}, config)  # type: ignore[arg-type]
     saved = _history(queue.client, cp, thread)
     assert [s for s, _ in saved] == list(range(-1, lose_step))
-    assert drive(_graph(RedisSaver(queue.client, prefix=cp)), lease, None, config) == "succeeded"  # type: ignore[arg-type]
+    assert drive_leased(_graph(RedisSaver(queue.client, prefix=cp)), lease, None,  # type: ignore[arg-type]
+                        config) == "succeeded"  # type: ignore[arg-type]
     steps = _history(queue.client, cp, thread)
     assert [s for s, _ in steps] == [-1, 0, 1, 2, 3]
     assert steps[-1][1] == ["a", "b", "c"]
@@ -334,6 +337,68 @@ def test_timeout_and_failure_end_the_run(queue: RunQueue) -> None:
         w.stop(1)
     assert slow.status == "failed" and "time limit" in slow.error
     assert boom.status == "failed" and boom.error == "bad thing"
+
+
+def test_a_raw_redis_outage_in_the_executor_retries_the_run_instead_of_failing_it(queue: RunQueue) -> None:
+    """redis-py's own ConnectionError (a saver that does not translate it) is a lost server, not a
+    failed run: the worker hands the run back and a retry finishes it; before, the catch-all recorded
+    it as failed with the connection error as its message."""
+    attempts: list[int] = []
+
+    def execute(run_id: str, lease: Lease) -> None:
+        attempts.append(lease.attempt)
+        if len(attempts) == 1:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    w = _worker(queue, execute)
+    try:
+        queue.enqueue("run-o", {})
+        state = queue.wait("run-o", 10)
+    finally:
+        w.stop(1)
+    assert state.status == "succeeded" and state.attempts == 2 and attempts == [1, 2]
+
+
+def test_ensure_group_creates_the_group_once_without_reading_error_text(
+        redis_url: str, key_prefix: str) -> None:
+    """Many queues (workers) starting at once on an empty stream: one creates the group, none fails;
+    a stream that exists with other groups (or none) gets ours added, and entries already there are
+    delivered (the group reads from the first entry)."""
+    prefix = f"{key_prefix}:g"
+    queues = [RunQueue.from_url(redis_url, prefix=prefix) for _ in range(8)]
+    start, results, errors = threading.Barrier(len(queues)), [], []
+
+    def ensure(q: RunQueue) -> None:
+        start.wait()
+        try:
+            results.append(q.ensure_group())
+        except Exception as exc:  # the assertion below reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ensure, args=(q,)) for q in queues]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and sorted(results) == [False] * 7 + [True]
+    groups = queues[0].client.xinfo_groups(queues[0].stream_key)
+    assert [g["name"] for g in groups] in (["workers"], [b"workers"])
+    assert queues[0].ensure_group() is False  # cached: no round trip
+
+    other = RunQueue.from_url(redis_url, prefix=f"{key_prefix}:h")
+    other.client.xadd(other.stream_key, {"run_id": "early", "thread_id": "early", "payload": "{}"})
+    other.client.xgroup_create(other.stream_key, "someone-else", id="0")
+    assert other.ensure_group() is True
+    names = {g["name"] for g in other.client.xinfo_groups(other.stream_key)}
+    assert names in ({"workers", "someone-else"}, {b"workers", b"someone-else"})
+    assert len(other.read_new("w", 10, 100)) == 1  # the entry written before the group existed
+
+
+def test_ensure_group_surfaces_a_foreign_value_on_the_stream_key(redis_url: str, key_prefix: str) -> None:
+    q = RunQueue.from_url(redis_url, prefix=f"{key_prefix}:s")
+    q.client.set(q.stream_key, "not a stream")
+    with pytest.raises(WrongTypeError):
+        q.ensure_group()
 
 
 def test_a_dead_workers_entry_is_reclaimed(queue: RunQueue) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -14,9 +15,34 @@ from elesium.api.execution import Services, assistant_id_of, iso
 from elesium.graphs.replay import jsonable
 from elesium.state.threads import RunRow, ThreadRow
 
+log = logging.getLogger("elesium.api")
+
 
 def services(request: Request) -> Services:
+    """The app's :class:`Services` (installed by the lifespan, one per app)."""
     return request.app.state.services
+
+
+def detach(fn: Callable[..., Any], *args: Any) -> None:
+    """Run blocking ``fn(*args)`` in the loop's executor without awaiting it.
+
+    For cleanup in an async generator's ``finally`` (a client that left): an ``await`` there may be
+    cancelled before it runs, and a direct call would block the event loop on Redis. A failure is
+    logged, as it would otherwise surface nowhere.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # finalized outside the loop: nothing to block
+        fn(*args)
+        return
+    future = loop.run_in_executor(None, fn, *args)
+
+    def report(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("%s%r failed after the client left", getattr(fn, "__name__", fn), args,
+                        exc_info=done.exception())
+
+    future.add_done_callback(report)
 
 
 def assistant_json(wf: Any) -> dict[str, Any]:
@@ -129,7 +155,7 @@ async def follow_until_disconnect(
     generation frees the engine within a fraction of a second, not at the next event.
     """
     agen = channel.follow()
-    pending: asyncio.Future | None = None
+    pending: asyncio.Future[tuple[str, Any]] | None = None
     finished = False
     try:
         while True:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from elesium.api.auth import Principal, principal
+from elesium.api.errors import InvalidRequest
 from elesium.api.routers.common import services
 from elesium.api.schemas import ReplayRequest
 from elesium.graphs import replay as rp
@@ -31,14 +33,11 @@ def acceptance(
 ) -> dict[str, Any]:
     """The run's raw acceptance log, ``limit`` entries after ``cursor`` (a stream id), and its summary."""
     svc = services(request)
-    svc.thread_or_404(thread_id, who)
-    row = svc.store.get_run(run_id, who.tenant, thread_id)
-    if row is None:
-        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
+    svc.run_or_404(thread_id, run_id, who)
     if not 1 <= limit <= 1000:
-        raise HTTPException(status_code=422, detail="limit must be in [1, 1000]")
+        raise InvalidRequest("limit must be in [1, 1000]")
     if cursor is not None and not _is_stream_id(cursor):
-        raise HTTPException(status_code=422, detail="cursor must be a stream id such as 1700000000000-0")
+        raise InvalidRequest("cursor must be a stream id such as 1700000000000-0")
     log = svc.acceptance
     entries = log.read(run_id, start=f"({cursor}" if cursor else "-", count=limit)
     summary = log.summary(run_id)
@@ -59,6 +58,7 @@ def acceptance(
 
 
 def _is_stream_id(text: str) -> bool:
+    """``<ms>`` or ``<ms>-<seq>``: checked here so a malformed cursor is a 422, not a Redis error."""
     ms, _, seq = text.partition("-")
     return ms.isdigit() and (seq == "" or seq.isdigit())
 
@@ -69,12 +69,11 @@ async def replay(
 ) -> dict[str, Any]:
     """Re-execute (or re-run on recorded outputs) the run and its thread's earlier operations.
 
-    The report (verdict, first divergence, who, when, fingerprints) is stored beside the run.
+    The report (verdict, first divergence, who, when, fingerprints) is stored beside the run. A run
+    that cannot be replayed answers 409 (``ReplayRefused``, mapped in :mod:`elesium.api.errors`).
     """
     svc = services(request)
-    svc.thread_or_404(thread_id, who)
-    if svc.store.get_run(run_id, who.tenant, thread_id) is None:
-        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
+    await run_in_threadpool(svc.run_or_404, thread_id, run_id, who)
 
     def work() -> rp.ReplayReport:
         return rp.replay_stored_run(
@@ -91,10 +90,7 @@ async def replay(
             calibrations=svc.calibrator.store if svc.calibrator is not None else None,
         )
 
-    try:
-        report = await svc.worker.run(work)
-    except rp.ReplayRefused as exc:
-        raise HTTPException(status_code=409, detail=str(exc)) from None
+    report = await svc.worker.run(work)
     return report.model_dump(mode="json")
 
 
@@ -103,7 +99,5 @@ def list_replays(
     thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
 ) -> list[dict[str, Any]]:
     svc = services(request)
-    svc.thread_or_404(thread_id, who)
-    if svc.store.get_run(run_id, who.tenant, thread_id) is None:
-        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
+    svc.run_or_404(thread_id, run_id, who)
     return svc.store.replays(run_id)

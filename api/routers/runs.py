@@ -1,4 +1,9 @@
-"""Runs: background, wait and SSE stream; get, list, join, cancel, delete (threaded and stateless)."""
+"""Runs: background, wait and SSE stream; get, list, join, cancel, delete (threaded and stateless).
+
+Every Redis read or write runs off the event loop: routes that only answer once the call returns are
+plain ``def`` (FastAPI runs them in its thread pool); those that must await a run's end or stream it
+do their Redis work through ``run_in_threadpool`` and await only the run's channel.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from elesium.api.auth import Principal, principal
+from elesium.api.errors import Conflict, InvalidRequest, NotFound
 from elesium.api.events import RunChannel
 from elesium.api.execution import Services
-from elesium.api.routers.common import follow_until_disconnect, run_json, services, sse_frame
+from elesium.api.routers.common import detach, follow_until_disconnect, run_json, services, sse_frame
 from elesium.api.schemas import RunCreate
 from elesium.graphs.replay import jsonable
 from elesium.state.threads import RunRow, ThreadRow
@@ -38,7 +45,7 @@ def _idempotency(
     if key is None:
         return None
     if not 0 < len(key) <= 200 or not key.isprintable():
-        raise HTTPException(status_code=422, detail="Idempotency-Key must be 1-200 printable characters")
+        raise InvalidRequest("Idempotency-Key must be 1-200 printable characters")
     sent = {"thread_id": thread_id, **body.model_dump(mode="json", exclude_none=True)}
     digest = hashlib.sha256(json.dumps(sent, sort_keys=True, default=str).encode()).hexdigest()
     return uuid.uuid5(IDEMPOTENCY_NS, f"{who.tenant}\x1f{key}").hex, digest
@@ -51,21 +58,16 @@ def _replayed(svc: Services, who: Principal, idem: tuple[str, str]) -> tuple[Run
     if existing is None:
         return None
     if existing.idempotency != idem[1]:
-        raise HTTPException(
-            status_code=409,
-            detail="Idempotency-Key was already used for a different request; use a new key for a new run",
+        raise Conflict(
+            "Idempotency-Key was already used for a different request; use a new key for a new run"
         )
-    channel = svc.channel_or_none(existing)
-    if channel is None:  # ended and forgotten here: its end is all there is left to stream
-        channel = RunChannel()
-        channel.publish("metadata", {"run_id": existing.run_id, "thread_id": existing.thread_id})
-        channel.close()
-    return existing, channel
+    return existing, svc.channel_or_none(existing) or _ended_channel(existing)
 
 
 def _create(
     svc: Services, who: Principal, thread_id: str | None, body: RunCreate, request: Request
 ) -> tuple[RunRow, RunChannel]:
+    """Validate, record and enqueue the run (or find the one its idempotency key names). Blocking."""
     idem = _idempotency(request, who, thread_id, body)
     if idem is not None and (done := _replayed(svc, who, idem)) is not None:
         return done
@@ -78,28 +80,34 @@ def _create(
         thread = svc.get_thread(thread_id, who.tenant)
         if thread is None:
             if body.if_not_exists != "create":
-                raise HTTPException(status_code=404, detail=f"thread {thread_id!r} not found")
+                raise NotFound.of("thread", thread_id)
             thread = svc.create_thread(who, thread_id, if_exists="do_nothing")
         wf, row = svc.prepare_run(who, thread, body)
     if idem is not None:
         row = row.model_copy(update={"run_id": idem[0], "idempotency": idem[1]})
     try:
         return row, svc.start_run(wf, row)
-    except HTTPException as exc:
+    except Conflict:
         # The same key sent to another server at the same moment: that server's run is this one.
-        if exc.status_code == 409 and idem is not None and (done := _replayed(svc, who, idem)) is not None:
+        if idem is not None and (done := _replayed(svc, who, idem)) is not None:
             return done
         raise
 
 
 def _location(row: RunRow) -> dict[str, str]:
+    """Where the run can be read back (langgraph-sdk takes the run id from it on ``wait``)."""
     return {"Content-Location": f"/threads/{row.thread_id}/runs/{row.run_id}"}
 
 
 async def _final(svc: Services, row: RunRow, channel: RunChannel | None) -> Any:
-    """The run's result as ``wait``/``join`` return it: the thread's values (with ``__interrupt__``)."""
+    """The run's result once it has ended, read in the thread pool (waiting on the channel is async)."""
     if channel is not None:
         await channel.wait_closed()
+    return await run_in_threadpool(_final_values, svc, row)
+
+
+def _final_values(svc: Services, row: RunRow) -> Any:
+    """The ended run's result as ``wait``/``join`` return it: the thread's values (with ``__interrupt__``)."""
     fresh = svc.store.get_run(row.run_id, row.tenant) or row
     if fresh.status == "error":
         return {"__error__": {"error": (fresh.error or "error").split(":")[0], "message": fresh.error}}
@@ -124,8 +132,11 @@ def _sse(
     cancel_on_disconnect: bool,
     headers: dict[str, str] | None = None,
 ) -> StreamingResponse:
+    """The run's events as SSE; a client that leaves cancels the run unless it asked to continue."""
+
     async def body() -> AsyncIterator[bytes]:
-        on_disconnect = (lambda: svc.cancel(row.run_id)) if cancel_on_disconnect else None
+        # The cancel writes to Redis: detached to a thread, the generator's cleanup never blocks the loop.
+        on_disconnect = (lambda: detach(svc.cancel, row.run_id)) if cancel_on_disconnect else None
         async for event, data in follow_until_disconnect(request, channel, on_disconnect=on_disconnect):
             yield sse_frame(event, data)
 
@@ -136,7 +147,7 @@ def _sse(
 
 # ---------------------------------------------------------------- threaded and stateless creation
 @router.post("/threads/{thread_id}/runs")
-async def create_run(
+def create_run(
     thread_id: str, body: RunCreate, request: Request, response: Response, who: Principal = Depends(principal)
 ) -> dict[str, Any]:
     row, _ = _create(services(request), who, thread_id, body, request)
@@ -145,7 +156,7 @@ async def create_run(
 
 
 @router.post("/runs")
-async def create_stateless_run(
+def create_stateless_run(
     body: RunCreate, request: Request, response: Response, who: Principal = Depends(principal)
 ) -> dict[str, Any]:
     row, _ = _create(services(request), who, None, body, request)
@@ -158,21 +169,21 @@ async def wait_run(
     thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
 ) -> Any:
     svc = services(request)
-    row, channel = _create(svc, who, thread_id, body, request)
+    row, channel = await run_in_threadpool(_create, svc, who, thread_id, body, request)
     return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
 
 
 @router.post("/runs/wait")
 async def wait_stateless_run(body: RunCreate, request: Request, who: Principal = Depends(principal)) -> Any:
     svc = services(request)
-    row, channel = _create(svc, who, None, body, request)
+    row, channel = await run_in_threadpool(_create, svc, who, None, body, request)
     return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
 
 
 def _stream_new(
     request: Request, who: Principal, thread_id: str | None, body: RunCreate
 ) -> StreamingResponse:
-    """Create a run (on a thread, or stateless) and answer with its SSE stream."""
+    """Create a run (on a thread, or stateless) and answer with its SSE stream. Blocking until created."""
     svc = services(request)
     row, channel = _create(svc, who, thread_id, body, request)
     return _sse(
@@ -186,26 +197,33 @@ def _stream_new(
 
 
 @router.post("/threads/{thread_id}/runs/stream")
-async def stream_run(
+def stream_run(
     thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
 ) -> StreamingResponse:
     return _stream_new(request, who, thread_id, body)
 
 
 @router.post("/runs/stream")
-async def stream_stateless_run(
+def stream_stateless_run(
     body: RunCreate, request: Request, who: Principal = Depends(principal)
 ) -> StreamingResponse:
     return _stream_new(request, who, None, body)
 
 
 # ---------------------------------------------------------------- existing runs
-def _run_or_404(svc: Services, who: Principal, thread_id: str, run_id: str) -> RunRow:
-    svc.thread_or_404(thread_id, who)
-    row = svc.store.get_run(run_id, who.tenant, thread_id)
-    if row is None:
-        raise HTTPException(status_code=404, detail=f"run {run_id!r} not found")
-    return row
+def _ended_channel(row: RunRow) -> RunChannel:
+    """A closed channel holding only the run's metadata: what is left to stream of a run that ended
+    in an earlier process (or long enough ago that this server forgot its events)."""
+    channel = RunChannel()
+    channel.publish("metadata", {"run_id": row.run_id, "thread_id": row.thread_id})
+    channel.close()
+    return channel
+
+
+def _existing(svc: Services, who: Principal, thread_id: str, run_id: str) -> tuple[RunRow, RunChannel | None]:
+    """The caller's run and this server's channel of it (None if its events expired). Blocking."""
+    row = svc.run_or_404(thread_id, run_id, who)
+    return row, svc.channel_or_none(row)
 
 
 @router.get("/threads/{thread_id}/runs")
@@ -220,7 +238,7 @@ def list_runs(
     svc = services(request)
     svc.thread_or_404(thread_id, who)
     if limit < 0 or offset < 0:
-        raise HTTPException(status_code=422, detail="limit and offset must be >= 0")
+        raise InvalidRequest("limit and offset must be >= 0")
     return [
         run_json(r)
         for r in svc.store.list_runs(
@@ -233,28 +251,23 @@ def list_runs(
 def get_run(
     thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
 ) -> dict[str, Any]:
-    return run_json(_run_or_404(services(request), who, thread_id, run_id))
+    return run_json(services(request).run_or_404(thread_id, run_id, who))
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/join")
 async def join_run(thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)) -> Any:
     svc = services(request)
-    row = _run_or_404(svc, who, thread_id, run_id)
-    return JSONResponse(jsonable(await _final(svc, row, svc.channel_or_none(row))))
+    row, channel = await run_in_threadpool(_existing, svc, who, thread_id, run_id)
+    return JSONResponse(jsonable(await _final(svc, row, channel)))
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/stream")
-async def join_stream(
+def join_stream(
     thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
 ) -> StreamingResponse:
     svc = services(request)
-    row = _run_or_404(svc, who, thread_id, run_id)
-    channel = svc.channel_or_none(row)
-    if channel is None:  # finished in an earlier process: nothing left to stream but its end
-        channel = RunChannel()
-        channel.publish("metadata", {"run_id": run_id, "thread_id": thread_id})
-        channel.close()
-    return _sse(request, svc, row, channel, cancel_on_disconnect=False)
+    row, channel = _existing(svc, who, thread_id, run_id)
+    return _sse(request, svc, row, channel or _ended_channel(row), cancel_on_disconnect=False)
 
 
 @router.post("/threads/{thread_id}/runs/{run_id}/cancel")
@@ -267,16 +280,21 @@ async def cancel_run(
     who: Principal = Depends(principal),
 ) -> Any:
     svc = services(request)
-    row = _run_or_404(svc, who, thread_id, run_id)
-    if action not in ("interrupt", "rollback"):
-        raise HTTPException(status_code=422, detail="action must be interrupt or rollback")
-    if row.status not in ("pending", "running"):
-        raise HTTPException(status_code=409, detail=f"run {run_id!r} is {row.status}; nothing to cancel")
-    svc.cancel(run_id)
-    channel = svc.channel_or_none(row)
+
+    def ask() -> tuple[RunRow, RunChannel | None]:
+        row = svc.run_or_404(thread_id, run_id, who)
+        if action not in ("interrupt", "rollback"):
+            raise InvalidRequest("action must be interrupt or rollback")
+        if row.status not in ("pending", "running"):
+            raise Conflict(f"run {run_id!r} is {row.status}; nothing to cancel")
+        svc.cancel(run_id)
+        return row, svc.channel_or_none(row)
+
+    row, channel = await run_in_threadpool(ask)
     if wait and channel is not None:
         await channel.wait_closed()
-        return JSONResponse(run_json(svc.store.get_run(run_id, who.tenant) or row))
+        fresh = await run_in_threadpool(svc.store.get_run, run_id, who.tenant)
+        return JSONResponse(run_json(fresh or row))
     return Response(status_code=202)
 
 
@@ -285,8 +303,8 @@ def delete_run(
     thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
 ) -> Response:
     svc = services(request)
-    row = _run_or_404(svc, who, thread_id, run_id)
+    row = svc.run_or_404(thread_id, run_id, who)
     if row.status in ("pending", "running"):
-        raise HTTPException(status_code=409, detail=f"run {run_id!r} is {row.status}; cancel it first")
+        raise Conflict(f"run {run_id!r} is {row.status}; cancel it first")
     svc.store.delete_run(run_id, thread_id)
     return Response(status_code=204)

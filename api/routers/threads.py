@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
+from redis.exceptions import RedisError
+from starlette.concurrency import run_in_threadpool
 
 from elesium.api.auth import Principal, principal
+from elesium.api.errors import Conflict, InvalidRequest, NotFound
 from elesium.api.routers.common import empty_state, services, state_json, thread_json
 from elesium.api.schemas import (
     HistoryRequest,
@@ -18,11 +21,13 @@ from elesium.api.schemas import (
 )
 from elesium.graphs.audit import calls_key
 from elesium.graphs.replay import jsonable
+from elesium.state.errors import StateError
 
 router = APIRouter(tags=["threads"])
 
 
 def _values(request: Request, row: Any) -> tuple[Any, list[Any]]:
+    """The thread's current values and pending interrupts (empty before its first run)."""
     graph = services(request).thread_graph(row)
     if graph is None:
         return {}, []
@@ -80,9 +85,7 @@ def delete_thread(thread_id: str, request: Request, who: Principal = Depends(pri
     svc = services(request)
     row = svc.thread_or_404(thread_id, who)
     if row.status == "busy":
-        raise HTTPException(
-            status_code=409, detail=f"thread {thread_id!r} has a run in progress; cancel it first"
-        )
+        raise Conflict(f"thread {thread_id!r} has a run in progress; cancel it first")
     run_ids = svc.store.delete_thread(thread_id, who.tenant)
     svc.saver.delete_thread(thread_id)
     for rid in run_ids:
@@ -105,7 +108,7 @@ def _state_at(request: Request, thread_id: str, checkpoint_id: str, who: Princip
     graph = services(request).thread_graph(row)
     cfg = {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
     if graph is None or graph.checkpointer.get_tuple(cfg) is None:
-        raise HTTPException(status_code=404, detail=f"checkpoint {checkpoint_id!r} not found")
+        raise NotFound.of("checkpoint", checkpoint_id)
     return state_json(graph.get_state(cfg), thread_id)
 
 
@@ -131,28 +134,35 @@ async def update_state(
 ) -> dict[str, Any]:
     """Write values as if ``as_node`` returned them (on the engine thread, in order with runs)."""
     svc = services(request)
-    row = svc.thread_or_404(thread_id, who)
-    if row.status == "busy":
-        raise HTTPException(status_code=409, detail=f"thread {thread_id!r} has a run in progress")
-    graph = svc.thread_graph(row)
-    if graph is None:
-        raise HTTPException(
-            status_code=409, detail=f"thread {thread_id!r} has no state yet; start a run first"
-        )
     parent = body.checkpoint_id or (body.checkpoint.checkpoint_id if body.checkpoint else None)
     cfg: dict[str, Any] = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
-    if parent:
-        cfg["configurable"]["checkpoint_id"] = parent
-        if graph.checkpointer.get_tuple(cfg) is None:
-            raise HTTPException(status_code=404, detail=f"checkpoint {parent!r} not found")
-    if body.as_node is not None and body.as_node not in graph.nodes:
-        raise HTTPException(status_code=422, detail=f"as_node {body.as_node!r} is not a node of this graph")
+
+    def check() -> Any:
+        row = svc.thread_or_404(thread_id, who)
+        if row.status == "busy":
+            raise Conflict(f"thread {thread_id!r} has a run in progress")
+        graph = svc.thread_graph(row)
+        if graph is None:
+            raise Conflict(f"thread {thread_id!r} has no state yet; start a run first")
+        if parent:
+            cfg["configurable"]["checkpoint_id"] = parent
+            if graph.checkpointer.get_tuple(cfg) is None:
+                raise NotFound.of("checkpoint", parent)
+        if body.as_node is not None and body.as_node not in graph.nodes:
+            raise InvalidRequest(f"as_node {body.as_node!r} is not a node of this graph")
+        return graph
+
+    graph = await run_in_threadpool(check)
 
     def apply() -> dict[str, Any]:
         try:
             new = graph.update_state(cfg, body.values, as_node=body.as_node)
-        except Exception as exc:  # noqa: BLE001 - LangGraph rejects ambiguous or invalid updates
-            raise HTTPException(status_code=422, detail=f"state update rejected: {exc}") from None
+        except (StateError, RedisError):
+            raise  # Redis failed: a server error (503/409/500), not the update's fault
+        except Exception as exc:  # noqa: BLE001
+            # Safe: LangGraph refuses an ambiguous or invalid update (or a reducer fails on the values)
+            # before it puts a checkpoint, and nothing is recorded until add_op below.
+            raise InvalidRequest(f"state update rejected: {exc}") from None
         new_id = new["configurable"]["checkpoint_id"]
         svc.store.add_op(
             thread_id,

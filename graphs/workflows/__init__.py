@@ -7,7 +7,9 @@ those in deterministic nodes and conditional edges, and asks the model only what
 
 from __future__ import annotations
 
-from elesium.graphs.registry import Workflow
+from elesium.graphs.registry import Registry, Workflow
+
+_DEFAULT: Registry | None = None
 
 
 def shipped() -> list[Workflow]:
@@ -15,3 +17,15 @@ def shipped() -> list[Workflow]:
     from elesium.graphs.workflows import expense_approval, incident_summary, ticket_triage
 
     return [ticket_triage.workflow(), expense_approval.workflow(), incident_summary.workflow()]
+
+
+def default_registry() -> Registry:
+    """The shipped workflows (built once per process): what the CLI and a server without a registry of
+    their own serve."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        registry = Registry()
+        for workflow in shipped():
+            registry.register(workflow)
+        _DEFAULT = registry
+    return _DEFAULT
