@@ -115,7 +115,7 @@ class ChatCompletion:
             channel.publish("error", {"message": f"{type(exc).__name__}: {exc}"})
         finally:
             if stream is not None and not finished and hasattr(stream, "close"):
-                stream.close()  # releases the engine at once (contract C2)
+                stream.close()  # releases the engine at once
             channel.close()
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:

@@ -14,7 +14,7 @@ calls itself; the other steps of other runs overlap them), plus:
   finish; the rest are handed back (lease released, entry left pending and marked idle, so another
   worker resumes them from their last checkpoint within half a lease TTL, not after a lease timeout).
 
-The executor contract (C6): ``execute(run_id, lease) -> None``. Returning means the run succeeded
+The executor: ``execute(run_id, lease) -> None``. Returning means the run succeeded
 (returning the string "interrupted" means it stopped at a LangGraph ``interrupt``);
 :class:`RunCancelledError` / :class:`RunTimeoutError` end it cancelled / failed; :class:`LeaseLostError`
 means another worker owns it now (nothing is recorded); a Redis outage (``RedisUnavailableError``, or

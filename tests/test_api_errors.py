@@ -78,7 +78,6 @@ def test_one_decode_mode_resolution() -> None:
     from elesium.api.execution import resolve_decode_mode
 
     assert resolve_decode_mode(("vanilla", "speculative"), "medusa") == "speculative"
-    assert resolve_decode_mode(("vanilla", "medusa"), "speculative") == "medusa"
     assert resolve_decode_mode(("vanilla",), "vanilla") == "vanilla"
     with pytest.raises(InvalidRequest, match="unknown decoding mode 'turbo'"):
         resolve_decode_mode(("vanilla",), "turbo")

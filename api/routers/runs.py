@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -51,6 +52,11 @@ def _idempotency(
     return uuid.uuid5(IDEMPOTENCY_NS, f"{who.tenant}\x1f{key}").hex, digest
 
 
+IDEMPOTENT_CLAIM_WAIT_S = 5.0
+"""How long a request that lost the thread to a twin with the same Idempotency-Key waits for the twin's
+run row (written just after its claim) before answering 409."""
+
+
 def _replayed(svc: Services, who: Principal, idem: tuple[str, str]) -> tuple[RunRow, RunChannel] | None:
     """The run an earlier request with this idempotency key created (None if none); 409 if that
     request was a different one."""
@@ -71,6 +77,24 @@ def _create(
     idem = _idempotency(request, who, thread_id, body)
     if idem is not None and (done := _replayed(svc, who, idem)) is not None:
         return done
+    try:
+        return _create_new(svc, who, thread_id, body, idem)
+    except Conflict:
+        # The same key sent at the same moment (to this server's thread pool or another server): the
+        # request that claimed the thread writes the run's row right after, and that run is this one.
+        if idem is not None:
+            deadline = time.monotonic() + IDEMPOTENT_CLAIM_WAIT_S
+            while True:
+                if (done := _replayed(svc, who, idem)) is not None:
+                    return done
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+        raise
+
+
+def _create_new(svc: Services, who: Principal, thread_id: str | None, body: RunCreate,
+                idem: tuple[str, str] | None) -> tuple[RunRow, RunChannel]:
     if thread_id is None:  # stateless: validate against a thread that exists only once the run is valid
         tid = uuid.uuid5(IDEMPOTENCY_NS, f"thread\x1f{idem[0]}").hex if idem else str(uuid.uuid4())
         thread = ThreadRow(thread_id=tid, tenant=who.tenant, metadata={"stateless": True})
@@ -85,13 +109,7 @@ def _create(
         wf, row = svc.prepare_run(who, thread, body)
     if idem is not None:
         row = row.model_copy(update={"run_id": idem[0], "idempotency": idem[1]})
-    try:
-        return row, svc.start_run(wf, row)
-    except Conflict:
-        # The same key sent to another server at the same moment: that server's run is this one.
-        if idem is not None and (done := _replayed(svc, who, idem)) is not None:
-            return done
-        raise
+    return row, svc.start_run(wf, row)
 
 
 def _location(row: RunRow) -> dict[str, str]:
