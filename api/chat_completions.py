@@ -178,6 +178,7 @@ def prepare(svc: Services, body: ChatCompletionRequest) -> ChatCompletion:
         params = SamplingParams(
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
             max_tokens=max_tokens,
             seed=body.seed,
             stop=tuple(stops),
