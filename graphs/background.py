@@ -114,8 +114,8 @@ class GraphExecutor:
 
     Args:
         build: ``(lease, checkpointer) -> compiled graph``; the checkpointer is the lease's fenced saver.
-        config: ``(lease) -> RunnableConfig``; by default the lease's thread and run ids (with the run id
-            in the checkpoints' metadata, which is how a retried attempt knows where it got to).
+        config: ``(lease) -> RunnableConfig``; by default the lease's thread and run ids (LangGraph copies
+            the run id into each checkpoint's metadata, which is how a retried attempt knows where it got to).
         input_of: the graph input from the payload (default: ``payload["input"]``).
         saver_options: passed to the fenced saver (``prefix``, ``ttl_s``, ``keep_last``, ``serde``).
     """
@@ -125,8 +125,7 @@ class GraphExecutor:
                  saver_options: Mapping[str, Any] | None = None) -> None:
         self.build = build
         self.config = config or (lambda lease: {"configurable": {"thread_id": lease.thread_id,
-                                                                 "run_id": lease.run_id},
-                                                "metadata": {"run_id": lease.run_id}})
+                                                                 "run_id": lease.run_id}})
         self.input_of = input_of or (lambda payload: payload.get("input"))
         self.saver_options = dict(saver_options or {})
 

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -539,7 +538,3 @@ def command_from(request: Mapping[str, Any]) -> Any:
             kwargs["goto"] = command["goto"]
         return Command(**kwargs)
     return request.get("input")
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex
