@@ -37,7 +37,7 @@ from elesium.state.acceptance_log import AcceptanceLog
 from elesium.state.queue import RunQueue
 from elesium.state.run_events import RunEvents
 from elesium.state.runs import RunRegistry
-from elesium.state.threads import RunRow, ThreadRow, ThreadStore
+from elesium.state.threads import RunRow, ThreadRow, ThreadStore, public_id
 
 log = logging.getLogger("elesium.api")
 ASSISTANT_NS = uuid.UUID("6f1d2a52-7c3e-4f0b-9a57-5e1e51a0c0de")
@@ -165,8 +165,8 @@ class Services:
 
     def run_or_404(self, thread_id: str, run_id: str, who: Principal) -> RunRow:
         """The caller's run on that thread (the thread checked first, so it is settled if stale)."""
-        self.thread_or_404(thread_id, who)
-        row = self.store.get_run(run_id, who.tenant, thread_id)
+        thread = self.thread_or_404(thread_id, who)
+        row = self.store.get_run(run_id, who.tenant, thread.thread_id)
         if row is None:
             raise NotFound.of("run", run_id)
         return row
@@ -181,7 +181,7 @@ class Services:
         row = self.store.get_thread(thread_id, tenant)
         if row is None or row.status != "busy" or self.queue is None:
             return row
-        for run in self.store.list_runs(thread_id, tenant, limit=5):
+        for run in self.store.list_runs(row.thread_id, tenant, limit=5):
             if run.status not in ("pending", "running"):
                 continue
             state = self.queue.status(run.run_id)
@@ -191,7 +191,7 @@ class Services:
                 self.settle(run, "interrupted", "cancelled")
             elif state is not None and state.status == "failed":
                 self.settle(run, "error", state.error or "the run failed")
-        return self.store.get_thread(thread_id, tenant)
+        return self.store.get_thread(row.thread_id, tenant)
 
     def settle(self, run: RunRow, status: str, error: str | None) -> None:
         """Record the end of a run no executor will record (see :meth:`get_thread`, :meth:`cancel`)."""
@@ -211,6 +211,8 @@ class Services:
         if_exists: str | None = None,
     ) -> ThreadRow:
         tid = thread_id or str(uuid.uuid4())
+        # Another tenant's thread with this id is no conflict: the store keeps ids per tenant, so the
+        # answer is the same as for an unused id and says nothing about the other tenant.
         row = self.store.create_thread(ThreadRow(thread_id=tid, tenant=who.tenant, metadata=metadata or {}))
         if row is None:
             existing = self.store.get_thread(tid, who.tenant)
@@ -232,11 +234,13 @@ class Services:
         wf = self.resolve_assistant(body.assistant_id)
         if thread.graph_id and thread.graph_id.partition("@")[0] != wf.name:
             raise Conflict(
-                f"thread {thread.thread_id!r} belongs to workflow "
+                f"thread {public_id(thread.thread_id)!r} belongs to workflow "
                 f"{thread.graph_id.partition('@')[0]!r}, not {wf.name!r}"
             )
         if thread.status == "busy":
-            raise Conflict(f"thread {thread.thread_id!r} has a run in progress (multitask_strategy=reject)")
+            raise Conflict(
+                f"thread {public_id(thread.thread_id)!r} has a run in progress (multitask_strategy=reject)"
+            )
         if body.input is not None and body.command is not None:
             raise InvalidRequest("send input or command, not both")
         request: dict[str, Any] = {}
@@ -252,7 +256,8 @@ class Services:
                 raise InvalidRequest("command is empty; send resume, update or goto")
             if "resume" in command and thread.status != "interrupted":
                 raise Conflict(
-                    f"thread {thread.thread_id!r} is not waiting at an interrupt; nothing to resume"
+                    f"thread {public_id(thread.thread_id)!r} is not waiting at an interrupt; "
+                    "nothing to resume"
                 )
             if "resume" in command and getattr(wf, "resume_model", None) is not None:
                 command["resume"] = _validated(
@@ -314,7 +319,7 @@ class Services:
         previous = self.store.claim_thread(row.thread_id, allowed)
         if previous is None:
             raise Conflict(
-                f"thread {row.thread_id!r} has a run in progress or is not waiting at an interrupt"
+                f"thread {public_id(row.thread_id)!r} has a run in progress or is not waiting at an interrupt"
             )
         if self.store.create_run(row) is None:
             self.store.update_thread(row.thread_id, status=previous)

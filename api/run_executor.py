@@ -40,6 +40,7 @@ from elesium.graphs.execution import (
 )
 from elesium.state.acceptance_log import Retention
 from elesium.state.queue import Lease, LeaseLostError, RunCancelledError, RunTimeoutError
+from elesium.state.threads import public_id
 
 log = logging.getLogger("elesium.api")
 
@@ -87,7 +88,8 @@ class ApiRunExecutor:
         def publish(event: str, data: Any) -> None:
             svc.events.publish(row.thread_id, run_id, event, data)
 
-        publish("metadata", {"run_id": run_id, "thread_id": row.thread_id, "attempt": lease.attempt})
+        publish("metadata",
+                {"run_id": run_id, "thread_id": public_id(row.thread_id), "attempt": lease.attempt})
         tap = RunEngine(svc.engine, on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
         unregister = lease.on_abort(tap.cancel)
         modes = row.request.get("stream_mode") or ["values"]

@@ -83,7 +83,8 @@ class RunCreate(Loose):
 
 
 class ThreadCreate(Loose):
-    thread_id: str | None = Field(default=None, min_length=1, max_length=200)
+    # No U+001F: it separates a thread id from its tenant in tenant-scoped stored ids (state.threads).
+    thread_id: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[^\x1f]+$")
     metadata: dict[str, Any] | None = None
     if_exists: Literal["raise", "do_nothing"] | None = None
 

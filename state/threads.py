@@ -18,6 +18,12 @@ Keys (``P = <prefix>:``, ``{T}`` the thread's hash tag, the checkpointer's)::
     P run-thread:<rid>      string the run's thread (so a run is found by its id alone)
     P tenant-threads:<t>    zset   thread ids of tenant t, score = creation ms
 
+Thread ids are per tenant. A thread is stored under the id its client chose unless another tenant
+already holds that id; then it is stored under ``<id>\x1f<tenant>`` (see :func:`scoped_id`), so
+creating a thread with another tenant's id answers exactly as for an unused id and reveals nothing.
+That stored id (``ThreadRow.thread_id``, ``RunRow.thread_id``) is what every key, the checkpointer and
+the queue use; :func:`public_id` is what the API shows.
+
 Everything of a thread and its runs shares the thread's slot, so on a Redis Cluster a write that
 touches several of those keys is still one script or one MULTI/EXEC: a failure leaves nothing
 half-written. The two indexes live in other slots and are written first (a crash between leaves an
@@ -41,6 +47,20 @@ DEFAULT_PREFIX = "elesium:api"
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+SCOPE_SEP = "\x1f"
+"""Separates a thread id from its tenant in a tenant-scoped stored id (refused in client ids)."""
+
+
+def scoped_id(thread_id: str, tenant: str) -> str:
+    """Where ``tenant`` stores its thread ``thread_id`` when another tenant took the plain id first."""
+    return f"{thread_id}{SCOPE_SEP}{tenant}"
+
+
+def public_id(stored_id: str) -> str:
+    """The thread id the API shows for a stored thread id (the same id unless it is tenant-scoped)."""
+    return stored_id.partition(SCOPE_SEP)[0]
 
 
 class ThreadRow(BaseModel):
@@ -184,24 +204,43 @@ class ThreadStore:
 
     # ---------------------------------------------------------------- threads
     def create_thread(self, row: ThreadRow) -> ThreadRow | None:
-        """Store a new thread; None when the id is taken (by anyone: ids are global)."""
-        fields = [x for kv in _to_hash(row).items() for x in kv]
+        """Store a new thread of ``row.tenant``; None when that tenant already has a thread with this id.
+
+        Another tenant's thread with the same id does not count (ids are per tenant): the new thread is
+        then stored under :func:`scoped_id`, and the row returned carries that stored id.
+        """
+        scoped = row.model_copy(update={"thread_id": scoped_id(row.thread_id, row.tenant)})
         with self._guard():
-            self.client.zadd(self._k("tenant-threads", row.tenant), {row.thread_id: row.created_ms}, nx=True)
-            created = self.client.eval(_CREATE_IF_ABSENT, 1, self.thread_key(row.thread_id), *fields)
-            if not int(created):
-                owner = self.client.hget(self.thread_key(row.thread_id), "tenant")
-                if owner is not None and owner.decode() != row.tenant:
-                    self.client.zrem(self._k("tenant-threads", row.tenant), row.thread_id)
-        return row if int(created) else None
+            if self.client.exists(self.thread_key(scoped.thread_id)):
+                return None  # the tenant's own thread, stored scoped earlier
+            if self._create(row):
+                return row
+            owner = self.client.hget(self.thread_key(row.thread_id), "tenant")
+            if owner is None or owner.decode() == row.tenant:
+                return None  # the tenant's own thread (or one deleted this instant: a retry creates it)
+            return scoped if self._create(scoped) else None
+
+    def _create(self, row: ThreadRow) -> bool:
+        """Index then create the thread hash if absent (the index entry is withdrawn if it was not)."""
+        index = self._k("tenant-threads", row.tenant)
+        added = self.client.zadd(index, {row.thread_id: row.created_ms}, nx=True)
+        fields = [x for kv in _to_hash(row).items() for x in kv]
+        if int(self.client.eval(_CREATE_IF_ABSENT, 1, self.thread_key(row.thread_id), *fields)):
+            return True
+        if added:
+            self.client.zrem(index, row.thread_id)
+        return False
 
     def get_thread(self, thread_id: str, tenant: str) -> ThreadRow | None:
+        """The tenant's thread ``thread_id`` (stored plain or tenant-scoped); None for another's."""
         with self._guard():
-            raw = self.client.hgetall(self.thread_key(thread_id))
-        if not raw:
-            return None
-        row = _from_hash(ThreadRow, raw)
-        return row if row.tenant == tenant else None
+            for stored in (thread_id, scoped_id(thread_id, tenant)):
+                raw = self.client.hgetall(self.thread_key(stored))
+                if raw:
+                    row = _from_hash(ThreadRow, raw)
+                    if row.tenant == tenant:
+                        return row
+        return None
 
     def update_thread(self, thread_id: str, **fields: Any) -> None:
         row = {k: (json.dumps(v) if k in _JSON_FIELDS or v is None else str(v)) for k, v in fields.items()}

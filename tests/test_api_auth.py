@@ -66,7 +66,9 @@ def test_other_tenants_objects_are_404_and_never_listed(api_server, owned):
         r = b.post(f"/threads/{tid}/runs/wait", json={"assistant_id": "summary", "input": {"topic": "x"}})
         assert r.status_code == 404
         assert tid not in [t["thread_id"] for t in b.post("/threads/search", json={"limit": 1000}).json()]
-        assert b.post("/threads", json={"thread_id": tid}).status_code == 409  # ids are global; nothing leaks
+        # ids are per tenant: B gets its own new thread, as for an unused id (test_api_tenant_walk.py)
+        mine = b.post("/threads", json={"thread_id": tid})
+        assert mine.status_code == 200 and mine.json()["metadata"] == {}
         assert b.get("/elesium/whoami").json()["tenant"] == "tenant-b"
     with api_server.http(KEY_A) as a:
         assert a.get(f"/threads/{tid}").status_code == 200

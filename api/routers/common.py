@@ -13,7 +13,7 @@ from fastapi import Request
 from elesium.api.events import RunChannel
 from elesium.api.execution import Services, assistant_id_of, iso
 from elesium.graphs.replay import jsonable
-from elesium.state.threads import RunRow, ThreadRow
+from elesium.state.threads import RunRow, ThreadRow, public_id
 
 log = logging.getLogger("elesium.api")
 
@@ -62,7 +62,7 @@ def assistant_json(wf: Any) -> dict[str, Any]:
 
 def thread_json(row: ThreadRow, values: Any = None, interrupts: list[Any] | None = None) -> dict[str, Any]:
     return {
-        "thread_id": row.thread_id,
+        "thread_id": public_id(row.thread_id),
         "created_at": iso(row.created_ms),
         "updated_at": iso(row.updated_ms),
         "metadata": row.metadata,
@@ -75,7 +75,7 @@ def thread_json(row: ThreadRow, values: Any = None, interrupts: list[Any] | None
 def run_json(row: RunRow) -> dict[str, Any]:
     return {
         "run_id": row.run_id,
-        "thread_id": row.thread_id,
+        "thread_id": public_id(row.thread_id),
         "assistant_id": row.assistant_id,
         "created_at": iso(row.created_ms),
         "updated_at": iso(row.updated_ms),

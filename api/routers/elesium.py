@@ -91,7 +91,7 @@ async def replay(
         )
 
     report = await svc.worker.run(work)
-    return report.model_dump(mode="json")
+    return {**report.model_dump(mode="json"), "thread_id": thread_id}  # the id the caller knows
 
 
 @router.get("/threads/{thread_id}/runs/{run_id}/replays")
@@ -100,4 +100,4 @@ def list_replays(
 ) -> list[dict[str, Any]]:
     svc = services(request)
     svc.run_or_404(thread_id, run_id, who)
-    return svc.store.replays(run_id)
+    return [{**r, "thread_id": thread_id} if "thread_id" in r else r for r in svc.store.replays(run_id)]

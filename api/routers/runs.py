@@ -25,7 +25,7 @@ from elesium.api.execution import Services
 from elesium.api.routers.common import detach, follow_until_disconnect, run_json, services, sse_frame
 from elesium.api.schemas import RunCreate
 from elesium.graphs.replay import jsonable
-from elesium.state.threads import RunRow, ThreadRow
+from elesium.state.threads import RunRow, ThreadRow, public_id
 
 router = APIRouter(tags=["runs"])
 
@@ -114,7 +114,7 @@ def _create_new(svc: Services, who: Principal, thread_id: str | None, body: RunC
 
 def _location(row: RunRow) -> dict[str, str]:
     """Where the run can be read back (langgraph-sdk takes the run id from it on ``wait``)."""
-    return {"Content-Location": f"/threads/{row.thread_id}/runs/{row.run_id}"}
+    return {"Content-Location": f"/threads/{public_id(row.thread_id)}/runs/{row.run_id}"}
 
 
 async def _final(svc: Services, row: RunRow, channel: RunChannel | None) -> Any:
@@ -233,7 +233,7 @@ def _ended_channel(row: RunRow) -> RunChannel:
     """A closed channel holding only the run's metadata: what is left to stream of a run that ended
     in an earlier process (or long enough ago that this server forgot its events)."""
     channel = RunChannel()
-    channel.publish("metadata", {"run_id": row.run_id, "thread_id": row.thread_id})
+    channel.publish("metadata", {"run_id": row.run_id, "thread_id": public_id(row.thread_id)})
     channel.close()
     return channel
 
@@ -254,13 +254,13 @@ def list_runs(
     who: Principal = Depends(principal),
 ) -> list[dict[str, Any]]:
     svc = services(request)
-    svc.thread_or_404(thread_id, who)
+    thread = svc.thread_or_404(thread_id, who)
     if limit < 0 or offset < 0:
         raise InvalidRequest("limit and offset must be >= 0")
     return [
         run_json(r)
         for r in svc.store.list_runs(
-            thread_id, who.tenant, limit=min(limit, 1000), offset=offset, status=status
+            thread.thread_id, who.tenant, limit=min(limit, 1000), offset=offset, status=status
         )
     ]
 
@@ -324,5 +324,5 @@ def delete_run(
     row = svc.run_or_404(thread_id, run_id, who)
     if row.status in ("pending", "running"):
         raise Conflict(f"run {run_id!r} is {row.status}; cancel it first")
-    svc.store.delete_run(run_id, thread_id)
+    svc.store.delete_run(run_id, row.thread_id)
     return Response(status_code=204)

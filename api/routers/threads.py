@@ -22,6 +22,7 @@ from elesium.api.schemas import (
 from elesium.graphs.audit import calls_key
 from elesium.graphs.replay import jsonable
 from elesium.state.errors import StateError
+from elesium.state.threads import public_id
 
 router = APIRouter(tags=["threads"])
 
@@ -52,7 +53,7 @@ def search_threads(
         r
         for r in rows
         if (body.status is None or r.status == body.status)
-        and (body.ids is None or r.thread_id in body.ids)
+        and (body.ids is None or public_id(r.thread_id) in body.ids)
         and all(r.metadata.get(k) == v for k, v in (body.metadata or {}).items())
     ]
     return [thread_json(r) for r in rows[body.offset : body.offset + body.limit]]
@@ -76,7 +77,7 @@ def patch_thread(
 ) -> dict[str, Any]:
     svc = services(request)
     row = svc.thread_or_404(thread_id, who)
-    svc.store.update_thread(thread_id, metadata={**row.metadata, **(body.metadata or {})})
+    svc.store.update_thread(row.thread_id, metadata={**row.metadata, **(body.metadata or {})})
     return thread_json(svc.thread_or_404(thread_id, who))
 
 
@@ -86,8 +87,8 @@ def delete_thread(thread_id: str, request: Request, who: Principal = Depends(pri
     row = svc.thread_or_404(thread_id, who)
     if row.status == "busy":
         raise Conflict(f"thread {thread_id!r} has a run in progress; cancel it first")
-    run_ids = svc.store.delete_thread(thread_id, who.tenant)
-    svc.saver.delete_thread(thread_id)
+    run_ids = svc.store.delete_thread(row.thread_id, who.tenant)
+    svc.saver.delete_thread(row.thread_id)
     for rid in run_ids:
         svc.acceptance.delete(rid)
         svc.acceptance.client.delete(calls_key(svc.acceptance, rid))
@@ -100,13 +101,13 @@ def get_state(thread_id: str, request: Request, who: Principal = Depends(princip
     graph = services(request).thread_graph(row)
     if graph is None:
         return empty_state(thread_id)
-    return state_json(graph.get_state({"configurable": {"thread_id": thread_id}}), thread_id)
+    return state_json(graph.get_state({"configurable": {"thread_id": row.thread_id}}), thread_id)
 
 
 def _state_at(request: Request, thread_id: str, checkpoint_id: str, who: Principal) -> dict[str, Any]:
     row = services(request).thread_or_404(thread_id, who)
     graph = services(request).thread_graph(row)
-    cfg = {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
+    cfg = {"configurable": {"thread_id": row.thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
     if graph is None or graph.checkpointer.get_tuple(cfg) is None:
         raise NotFound.of("checkpoint", checkpoint_id)
     return state_json(graph.get_state(cfg), thread_id)
@@ -139,6 +140,7 @@ async def update_state(
 
     def check() -> Any:
         row = svc.thread_or_404(thread_id, who)
+        cfg["configurable"]["thread_id"] = row.thread_id  # the stored id (tenant-scoped or not)
         if row.status == "busy":
             raise Conflict(f"thread {thread_id!r} has a run in progress")
         graph = svc.thread_graph(row)
@@ -155,6 +157,7 @@ async def update_state(
     graph = await run_in_threadpool(check)
 
     def apply() -> dict[str, Any]:
+        stored = cfg["configurable"]["thread_id"]
         try:
             new = graph.update_state(cfg, body.values, as_node=body.as_node)
         except (StateError, RedisError):
@@ -165,7 +168,7 @@ async def update_state(
             raise InvalidRequest(f"state update rejected: {exc}") from None
         new_id = new["configurable"]["checkpoint_id"]
         svc.store.add_op(
-            thread_id,
+            stored,
             {
                 "kind": "update",
                 "values": body.values,
@@ -175,9 +178,9 @@ async def update_state(
                 "by": who.identity,
             },
         )
-        snap = graph.get_state({"configurable": {"thread_id": thread_id}})
+        snap = graph.get_state({"configurable": {"thread_id": stored}})
         status = "interrupted" if getattr(snap, "interrupts", ()) else "idle"
-        svc.store.update_thread(thread_id, status=status)
+        svc.store.update_thread(stored, status=status)
         return {
             "checkpoint": {
                 "thread_id": thread_id,
@@ -207,12 +210,12 @@ def history(
         )
     )
     before_cfg = (
-        {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": before_id}}
+        {"configurable": {"thread_id": row.thread_id, "checkpoint_ns": "", "checkpoint_id": before_id}}
         if before_id
         else None
     )
     snaps = graph.get_state_history(
-        {"configurable": {"thread_id": thread_id}},
+        {"configurable": {"thread_id": row.thread_id}},
         limit=body.limit,
         before=before_cfg,
         filter=body.metadata or None,
