@@ -193,3 +193,28 @@ def make_worker_executor(args: Any, queue: Any) -> Any:
 
     engine = Engine.load(device="cpu", dtype="float32", max_len=2048)
     return ApiRunExecutor(build_services(ApiSettings(redis_url=args.redis_url), engine, build_registry()))
+
+
+def make_slow_worker_executor(args: Any, queue: Any) -> Any:
+    """:func:`make_worker_executor` whose engine sleeps ``ELESIUM_TEST_STEP_DELAY`` seconds (worker
+    environment) after each decode step: an LLM call lasts long enough for a test to kill the worker
+    inside it. The sleep is in the step hook, after the step is decided, so no token, record or
+    fingerprint changes."""
+    import os
+    import time
+
+    executor = make_worker_executor(args, queue)
+    engine = executor.svc.engine
+    delay = float(os.environ.get("ELESIUM_TEST_STEP_DELAY", "0"))
+    start = engine.start
+
+    def slow_start(request: Any, *, on_step: Any = None) -> Any:
+        def hook(record: Any) -> None:
+            if on_step is not None:
+                on_step(record)
+            time.sleep(delay)
+
+        return start(request, on_step=hook)
+
+    engine.start = slow_start  # this worker's engine instance only
+    return executor
