@@ -7,7 +7,9 @@ the logits of decoding that node alone, one token at a time, after its path; the
 bf16 (which Triton's CPU interpreter lacks); sampled speculative decoding on the device keeps the
 base model's distribution (chi-square, as tests/test_exactness.py does on the CPU); and the self-feeding
 vanilla and greedy tree steps (decode_chain.py, tree_chain.py) give the synchronous paths' tokens and
-stop exactly, and the sampled tree steps keep the distribution (chi-square) and replay from their seed.
+stop exactly, and the sampled tree steps keep the distribution (chi-square) and replay from their seed,
+also at production settings (T 0.5/0.7/1.5 with top-k and top-p, three tokens deep, against
+tests/test_exactness_settings.py's NumPy reference, with a negative control that must fail).
 
 Without CUDA every test here is skipped with the reason printed (``-ra``): the CPU CI machine has no
 GPU. Run this file alone: the interpreter tests (test_tree_attention, test_invariant_kernels) set
@@ -16,13 +18,16 @@ TRITON_INTERPRET=1 for the whole session, which would run these kernels on the h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from elesium.inference.sampling import SamplingParams
 from helpers import ancestors_from_parents
+from test_exactness_settings import SETTINGS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -305,6 +310,66 @@ def test_chained_sampled_tree_steps_are_exact_on_device(bf16, mt_bench_prompts) 
     assert runs[0].mean_accepted > 1.3, f"tau {runs[0].mean_accepted}: drafts were hardly accepted"
 
 
+DEVICE_CHAIN_SAMPLES = 4_000  # per setting: twice the CPU chain test's, for power at the same alpha
+DEVICE_CONTROL_SAMPLES = 3_000  # as test_exactness_settings' controls
+
+
+@pytest.fixture(scope="module")
+def exactness_contexts() -> dict[tuple[int, ...], np.ndarray]:
+    """The NumPy reference's float64 logit rows, from the tiny model's plain CPU forward."""
+    from spec_harness import tiny_model
+    from test_exactness_settings import context_logits
+
+    return context_logits(tiny_model(0))
+
+
+def device_chain_draws(params: SamplingParams, samples: int, seed: int):
+    """``samples`` three-token draws through the captured tree step (``decoding/tree_chain.py`` under
+    ``CudaGraphRunner``: CUDA graphs, compiled tree logic, ``accept_sampled``), with
+    test_exactness_settings' chained heads, policy and context; every sample asserted to run on a chain."""
+    from elesium.inference.runtime.forward import CudaGraphRunner
+    from elesium.inference.runtime.invariant import apply_invariant_numerics
+    from spec_harness import random_hydra_heads, tiny_model, with_random_drafter
+    from test_exactness_settings import DEPTH, DYNAMIC, draw
+
+    model = apply_invariant_numerics(tiny_model(0).cuda(), True)
+    hydra = random_hydra_heads(32, 3, seed=9, conditioning="chain")
+    heads = with_random_drafter(hydra, model.config, seed=10).cuda()
+    params = dataclasses.replace(params, max_tokens=DEPTH + 1)  # FIRST, then DEPTH tokens
+    draws = draw(model, heads, DYNAMIC, params, samples, seed=seed, runner_type=CudaGraphRunner)
+    runner = draws.runner
+    assert isinstance(runner, CudaGraphRunner) and runner.chain_graphs, "no tree step was captured"
+    assert runner.tree_chains_started == samples, \
+        f"{runner.tree_chains_started}/{samples} samples ran on the device chain"
+    return draws
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_chained_tree_steps_on_device_are_exact_at_setting(exactness_contexts, name: str) -> None:
+    """Issue 41: the device chain (real CUDA graphs, T > 0) at each production setting of
+    tests/test_exactness_settings.py: the joint of three tokens and the third token's marginal fit the
+    independent NumPy reference (its Bonferroni alpha), and enough first steps accepted depth 2 that
+    the third token's draws after deep acceptances are tested."""
+    from test_exactness_settings import assert_exact, reference_joint
+
+    params = SETTINGS[name]
+    joint = reference_joint(exactness_contexts, params)
+    draws = device_chain_draws(params, DEVICE_CHAIN_SAMPLES, seed=61)
+    assert_exact(draws, joint, f"device chain {name}", min_deep=0.1)
+
+
+def test_device_chain_ignoring_temperature_is_rejected(exactness_contexts) -> None:
+    """The negative control on the device: the chain sampling at T = 1 (top-k as asked) against the
+    T = 0.5 reference must be rejected far beyond the positive threshold."""
+    from test_exactness_settings import assert_rejected, reference_joint
+
+    right = SETTINGS["T0.5-k3"]
+    joint = reference_joint(exactness_contexts, right)
+    wrong = SamplingParams(temperature=1.0, top_k=right.top_k)
+    draws = device_chain_draws(wrong, DEVICE_CONTROL_SAMPLES, seed=67)
+    assert_rejected(draws, joint, "device chain control T=1 for T=0.5")
+
+
 def test_fused_forward_is_on_and_computes_the_reference_forward(bf16, mt_bench_prompts) -> None:
     """The bf16 engine runs the fused elementwise forward (runtime/fused.py), and its hidden states are the
     module-by-module forward's within bf16 rounding; the bitwise properties are the tests above."""
@@ -411,12 +476,19 @@ def test_tree_chain_equals_host_tree_steps_and_vanilla(bf16, mt_bench_prompts) -
         assert short.token_ids == vanilla[0][:cut] and short.finish_reason == "length"
         assert spec(True, prompts[1]).token_ids == vanilla[1]  # steps in flight left no trace
     ids = bf16.encode_prompt(prompts[2])
-    small = load("bfloat16", max_len=len(ids) + 70)  # room for the chain to start, not to finish
-    full = small.generate(prompts[2], params, mode="speculative")
+    # Room for the chain to start, not to finish: a chain starts while the cache holds three steps' rows
+    # and a tree past the offset (``start_tree_chain``), which depends on the device's profile (32 nodes
+    # on the H200: 47 slots, 64 on an H100 without a profile: 79); 23 slots more, and more tokens asked
+    # for than fit, so the cache fills and the chain hands back to the host before the end.
+    assert bf16.heads is not None
+    room = 3 * (bf16.heads.num_heads + 1) + bf16.policy.max_nodes + 23
+    small = load("bfloat16", max_len=len(ids) + room)
+    filling = SamplingParams(max_tokens=room + 26)
+    full = small.generate(prompts[2], filling, mode="speculative")
     assert small.runner.chain_graphs, "the small engine's chain did not start"
     # Against the small engine's own vanilla run: attention spans the whole (smaller) cache, so its
     # sums are split differently from the large engine's and may round a near-tie differently.
-    alone = small.generate(prompts[2], params, mode="vanilla")
+    alone = small.generate(prompts[2], filling, mode="vanilla")
     assert full.finish_reason == alone.finish_reason == "length"
     assert full.token_ids == alone.token_ids, f"diverge at token {_diverge(full.token_ids, alone.token_ids)}"
     assert len(ids) + len(full.token_ids) >= small.context_length
