@@ -168,10 +168,16 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
             _install(app)
         svc = holder["svc"]
         queue_worker = start_queue_worker(svc, settings.workers) if settings.workers > 0 else None
+        from elesium.api.retention import RetentionSweep
+
+        sweep = (RetentionSweep(svc, settings.audit_sweep_interval_s).start()
+                 if settings.audit_sweep_interval_s > 0 else None)
         try:
             yield
         finally:
             holder.pop("svc", None)
+            if sweep is not None:
+                sweep.stop()
             if queue_worker is not None:
                 handed = queue_worker.stop(grace_s=settings.shutdown_grace_s)
                 if handed:
@@ -208,10 +214,14 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
 
     app.state.install = lambda: _install(app)
 
-    from elesium.api.routers import assistants, elesium, openai, ops, runs, threads
+    from fastapi import Depends
 
-    for module in (ops, assistants, threads, runs, elesium, openai):
-        app.include_router(module.router)
+    from elesium.api.routers import assistants, audit_admin, elesium, openai, ops, runs, threads
+    from elesium.api.routers.common import authorize
+
+    # Every route's role (elesium.api.auth.ROUTE_ROLES) is checked by this one dependency.
+    for module in (ops, assistants, threads, runs, elesium, openai, audit_admin):
+        app.include_router(module.router, dependencies=[Depends(authorize)])
 
     install_handlers(app)
 

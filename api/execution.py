@@ -157,8 +157,9 @@ class Services:
 
     # ---------------------------------------------------------------- threads
     def thread_or_404(self, thread_id: str, who: Principal) -> ThreadRow:
-        """The caller's thread; another tenant's is as missing as one that never existed."""
-        row = self.get_thread(thread_id, who.tenant)
+        """The caller's thread; another tenant's is as missing as one that never existed, and so is a
+        deleted one (kept for audit) unless the caller has the auditor's view of this request."""
+        row = self.get_thread(thread_id, who.tenant, include_deleted=who.audit_view)
         if row is None:
             raise NotFound.of("thread", thread_id)
         return row
@@ -171,14 +172,17 @@ class Services:
             raise NotFound.of("run", run_id)
         return row
 
-    def get_thread(self, thread_id: str, tenant: str) -> ThreadRow | None:
+    def get_thread(self, thread_id: str, tenant: str, *, include_deleted: bool = False) -> ThreadRow | None:
         """The thread, after settling any run of it that the queue has finished without its row saying so.
 
         A run whose workers all died (``max_attempts`` claims), that was cancelled before any worker
         claimed it, or that was never enqueued (its server stopped between the two writes) would leave
         the thread busy forever; the queue's record of the run decides, checked lazily on read.
+        A deleted thread (kept for audit) is None unless ``include_deleted``.
         """
         row = self.store.get_thread(thread_id, tenant)
+        if row is not None and row.deleted and not include_deleted:
+            return None
         if row is None or row.status != "busy" or self.queue is None:
             return row
         for run in self.store.list_runs(row.thread_id, tenant, limit=5):
@@ -210,12 +214,17 @@ class Services:
         metadata: dict[str, Any] | None = None,
         if_exists: str | None = None,
     ) -> ThreadRow:
+        who.require("operator", "creating a thread")
         tid = thread_id or str(uuid.uuid4())
         # Another tenant's thread with this id is no conflict: the store keeps ids per tenant, so the
         # answer is the same as for an unused id and says nothing about the other tenant.
         row = self.store.create_thread(ThreadRow(thread_id=tid, tenant=who.tenant, metadata=metadata or {}))
         if row is None:
             existing = self.store.get_thread(tid, who.tenant)
+            if existing is not None and existing.deleted:
+                # Not reusable until purged: a new thread under this id would read the old records.
+                raise Conflict(f"thread {tid!r} was deleted and its records are kept for audit until "
+                               "purged; use another thread id")
             if if_exists == "do_nothing" and existing is not None:
                 return existing
             raise Conflict(f"thread {tid!r} already exists")
@@ -223,7 +232,18 @@ class Services:
 
     # ---------------------------------------------------------------- runs
     def prepare_run(self, who: Principal, thread: ThreadRow, body: RunCreate) -> tuple[Any, RunRow]:
-        """Validate a run request against the thread and the workflow; write nothing (4xx on bad input)."""
+        """Validate a run request against the thread and the workflow; write nothing (4xx on bad input).
+
+        Resuming an interrupt (``command.resume``) needs the approver role, anything else the operator
+        role (403 naming it; the thread's ownership was settled before, so a 403 never concerns another
+        tenant's thread). A dict resume value gets the caller's identity under ``reviewer``
+        (:func:`with_reviewer`).
+        """
+        resuming = body.command is not None and "resume" in body.command.model_fields_set
+        if resuming:
+            who.require("approver", "resuming an interrupt (command.resume)")
+        else:
+            who.require("operator", "starting a run")
         unsupported = [m for m in body.modes if m not in SUPPORTED_STREAM_MODES]
         if unsupported:
             raise InvalidRequest(
@@ -263,6 +283,8 @@ class Services:
                 command["resume"] = _validated(
                     wf.resume_model, command["resume"], f"invalid resume value for workflow {wf.name!r}"
                 )
+            if "resume" in command:
+                command["resume"] = with_reviewer(wf, command["resume"], who.identity)
             request["command"] = command
         fork = body.fork_checkpoint
         if fork:
@@ -436,6 +458,27 @@ class Services:
                 self.settle(row, "interrupted", "cancelled")
             return True
         return status == "cancelling"
+
+
+REVIEWER_KEY = "reviewer"
+"""Where a resume value carries who approved: set by the server, never by the client."""
+
+
+def with_reviewer(wf: Any, resume: Any, identity: str) -> Any:
+    """The resume value with the approver's identity (``tenant/key-id``) under :data:`REVIEWER_KEY`.
+
+    Only the server knows who approved, so a ``reviewer`` the client sent is overwritten, not kept
+    beside it: the interrupt's node (e.g. ticket-triage's ``approval.reviewer``) then records the
+    authenticated identity, and the run row, the replay input, says the same. Applied to dict values
+    of workflows whose resume model has a ``reviewer`` field or that have no resume model; any other
+    resume value is passed as sent (the identity is still the run row's ``approver``).
+    """
+    if not isinstance(resume, dict):
+        return resume
+    model = getattr(wf, "resume_model", None)
+    if model is not None and REVIEWER_KEY not in getattr(model, "model_fields", {}):
+        return resume
+    return {**resume, REVIEWER_KEY: identity}
 
 
 def _validated(model: Any, value: Any, what: str) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from elesium.graphs.audit_chain import open_run_audit
 from elesium.graphs.execution import (
     EngineMismatchError,
     RunCancelled,
@@ -102,6 +103,9 @@ class ApiRunExecutor:
             calibrator=svc.calibrator, calibrations=recorded_calibrations(svc.runs_registry, run_id),
         )
         point = resume_point(graph, config, run_id)
+        # The run's hash chain (a retried attempt continues it): chained per super-step, sealed at the end.
+        audit = open_run_audit(svc.store.client, thread_id=row.thread_id, run_id=run_id, store=svc.store,
+                               cp_prefix=graph.checkpointer.prefix, acceptance=config_log(config))
         resuming = point != "start"
         if not resuming and row.request.get("checkpoint_id"):
             config["configurable"]["checkpoint_id"] = row.request["checkpoint_id"]
@@ -113,7 +117,10 @@ class ApiRunExecutor:
                 graph, None if resuming else command_from(row.request), config,
                 emit=_emitter(publish, modes), cancelled=tap.cancelled,
                 stream_modes=tuple(dict.fromkeys("messages" if m == "messages-tuple" else m for m in modes)),
+                audit=audit,
             )
+            if point == "done" and audit is not None:
+                audit.seal(outcome.status)
             if outcome.status == "error":
                 lease.verify()  # a node failed because the lease was lost? then record nothing
         except RunCancelled:
@@ -150,6 +157,11 @@ class ApiRunExecutor:
             svc.events.publish(row.thread_id, row.run_id, "error",
                                {"error": (error or "error").split(":")[0], "message": error})
         svc.events.end(row.thread_id, row.run_id)
+
+
+def config_log(config: Any) -> Any:
+    """The acceptance log the run's nodes append to (the lease's fenced one)."""
+    return config["configurable"]["elesium"].log
 
 
 def _emitter(publish: Any, modes: list[str]) -> Any:

@@ -22,6 +22,7 @@ TREE_ATTENTION = ("auto", "reference", "triton")
 INVARIANT_NUMERICS = ("auto", "on", "off")
 CPU_WEIGHTS = ("auto", "gguf-blocks", "bfloat16", "float32")
 CPU_COMPILE = ("auto", "on", "off")
+AUDIT_CHAIN = ("on", "off")
 MAX_DRAFT_DEPTH = 16
 """Most levels ``--draft-depth`` accepts for an eagle drafter tree (``DrafterTree.set_depth``): past it a
 tree of the shipped sizes has no nodes left, and each level costs ~0.2 ms a step on the H200 (§2j)."""
@@ -40,7 +41,13 @@ ENV_VARS: dict[str, str] = {
     "invariant_numerics": "ELESIUM_INVARIANT_NUMERICS",
     "cpu_weights": "ELESIUM_CPU_WEIGHTS",
     "cpu_compile": "ELESIUM_CPU_COMPILE",
+    "audit_key": "ELESIUM_AUDIT_KEY",
+    "audit_signing_key_file": "ELESIUM_AUDIT_SIGNING_KEY_FILE",
+    "audit_chain": "ELESIUM_AUDIT_CHAIN",
 }
+
+
+_PATHS = ("data_dir", "cache_dir", "audit_signing_key_file")
 
 
 def cli_flag(name: str) -> str:
@@ -89,12 +96,15 @@ class Settings:
     invariant_numerics: str = "auto"
     cpu_weights: str = "auto"
     cpu_compile: str = "auto"
+    audit_key: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
+    audit_signing_key_file: Path | None = None
+    audit_chain: str = "on"
 
     def __post_init__(self) -> None:
         # Device and dtype are checked where they are resolved (against the hardware, at load).
         for name, allowed in (("appendfsync", APPENDFSYNC), ("tree_attention", TREE_ATTENTION),
                               ("invariant_numerics", INVARIANT_NUMERICS), ("cpu_weights", CPU_WEIGHTS),
-                              ("cpu_compile", CPU_COMPILE)):
+                              ("cpu_compile", CPU_COMPILE), ("audit_chain", AUDIT_CHAIN)):
             value = getattr(self, name)
             if value not in allowed:
                 raise SettingsError(f"{ENV_VARS[name]} / {cli_flag(name)} must be one of "
@@ -113,9 +123,10 @@ class Settings:
             value = get(name)
             if value is None:
                 continue
-            if name in ("appendfsync", "tree_attention", "invariant_numerics", "cpu_weights", "cpu_compile"):
+            if name in ("appendfsync", "tree_attention", "invariant_numerics", "cpu_weights", "cpu_compile",
+                        "audit_chain"):
                 value = value.lower()
-            values[name] = Path(value).expanduser() if name in ("data_dir", "cache_dir") else value
+            values[name] = Path(value).expanduser() if name in _PATHS else value
         return cls(**values)
 
     def with_overrides(self, **values: Any) -> Settings:
@@ -123,7 +134,7 @@ class Settings:
         unknown = set(values) - set(ENV_VARS)
         if unknown:
             raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
-        given = {k: (Path(v).expanduser() if k in ("data_dir", "cache_dir") else v)
+        given = {k: (Path(v).expanduser() if k in _PATHS else v)
                  for k, v in values.items() if v is not None}
         return dataclasses.replace(self, **given)
 

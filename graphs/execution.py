@@ -388,6 +388,16 @@ def recorded_calibrations(runs: RunRecords | None, run_id: str) -> dict[str, str
     return dict(record.calibrations) if record is not None else {}
 
 
+class RunChain(Protocol):
+    """The run's hash chain as :func:`drive` uses it (``graphs/audit_chain.RunAudit``)."""
+
+    def begin(self, config: Mapping[str, Any]) -> None: ...
+
+    def sync(self) -> int: ...
+
+    def seal(self, status: str) -> Any: ...
+
+
 class Learner(Protocol):
     learn: bool
 
@@ -482,6 +492,7 @@ def drive(
     cancelled: threading.Event | None = None,
     between_steps: Callable[[], None] | None = None,
     stream_modes: Sequence[str] = ("values", "updates"),
+    audit: RunChain | None = None,
 ) -> Outcome:
     """Run ``graph`` once (an input, a ``Command`` to resume, or None to continue) and say how it ended.
 
@@ -490,27 +501,50 @@ def drive(
     :class:`RunCancelled` when ``cancelled`` is set; :class:`DivergenceError` and
     :class:`~elesium.state.errors.StateError` (Redis down, lease lost: not the run's fault, so it is
     retried) propagate; any other exception from a node ends the run in ``error``.
+
+    ``audit`` (the run's hash chain) chains what each super-step wrote (checkpoints, writes, LLM
+    calls, acceptance entries) when its update arrives, and is sealed with the outcome: success,
+    error, interrupted or cancelled. A Redis failure or a lost lease leaves it unsealed: the retried
+    attempt continues the same chain.
     """
     thread_id = config["configurable"]["thread_id"]
     before = set(checkpoint_ids(graph, thread_id))
+    if audit is not None:
+        audit.begin(config)
     try:
         for mode, chunk in graph.stream(graph_input, config, stream_mode=list(stream_modes)):
             if cancelled is not None and cancelled.is_set():
                 raise RunCancelled("the run was cancelled")
+            if audit is not None and mode == "updates":
+                audit.sync()
             if between_steps is not None and mode == "updates":
                 between_steps()
             if emit is not None:
                 emit(mode, jsonable(chunk))
         if between_steps is not None:
             between_steps()
-    except (RunCancelled, DivergenceError, StateError):
+    except RunCancelled:
+        _seal(audit, "cancelled")
+        raise
+    except (DivergenceError, StateError):
         raise
     except Exception as exc:  # noqa: BLE001 - a node failed: the outcome "error", recorded by the caller
         if cancelled is not None and cancelled.is_set():
+            _seal(audit, "cancelled")
             raise RunCancelled("the run was cancelled") from exc  # a stream closed by cancel() broke the node
         after = [c for c in checkpoint_ids(graph, thread_id) if c not in before]
+        _seal(audit, "error")
         return Outcome("error", None, [], after, error=f"{type(exc).__name__}: {exc}", exception=exc)
-    return outcome_now(graph, thread_id, before)
+    outcome = outcome_now(graph, thread_id, before)
+    _seal(audit, outcome.status)
+    return outcome
+
+
+def _seal(audit: RunChain | None, status: str) -> None:
+    """Seal the run's chain with how it ended (after chaining its last records). A failure to write
+    it is the state layer's error and propagates: the run is retried, and sealed then."""
+    if audit is not None:
+        audit.seal(status)
 
 
 def outcome_now(graph: Any, thread_id: str, before: set[str] | frozenset[str] = frozenset()) -> Outcome:

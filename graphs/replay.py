@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from elesium.graphs.audit_chain import AuditVerdict, chain_replay_reports, verify_run
 from elesium.graphs.execution import (
     Divergence,
     DivergenceError,
@@ -80,7 +81,9 @@ class ReplayReport(BaseModel):
     thread_id: str
     mode: str
     verdict: str  # identical | diverged
-    divergence: Divergence | None = None
+    divergence: Divergence | None = None  # the first finding: the audit chain's, else the replay's
+    replay_divergence: Divergence | None = None  # what re-running found, even when the chain failed first
+    audit: list[dict[str, Any]] = []  # the chain verdict of each run replayed, checked before replaying
     notes: list[str] = []
     fingerprint_recorded: dict[str, str] = {}
     fingerprint_replayed: dict[str, str] = {}
@@ -253,8 +256,12 @@ def replay_thread(
     by: str,
     cancelled: threading.Event | None = None,
     calibrations: Any = None,
+    audit: list[AuditVerdict] | None = None,
 ) -> ReplayReport:
     """Replay the thread's operations up to and including ``target_run`` and compare (module docstring).
+
+    ``audit``: the chain verdicts of the runs replayed (:func:`audit_runs`); the first that fails is
+    the report's first divergence, and the replay still runs so the report shows what it finds too.
 
     ``calibrations``: the :class:`~elesium.state.calibrations.CalibrationStore` the runs' recorded
     per-node versions are read from (each run decodes with the trees it decoded with).
@@ -370,6 +377,12 @@ def replay_thread(
             saver.delete_thread(scratch)
         except Exception:  # noqa: BLE001 - cleanup of the scratch thread is best effort
             pass
+    report.replay_divergence = first
+    broken = next((v for v in audit or () if not v.ok), None)
+    report.audit = [v.model_dump(mode="json") for v in audit or ()]
+    if broken is not None:
+        first = chain_divergence(broken)
+        report.notes.insert(0, f"audit chain of run {broken.run_id} does not verify: {first.describe()}")
     if first is not None:
         report.verdict = "diverged"
         report.divergence = first
@@ -434,6 +447,8 @@ def replay_stored_run(
         workflow = registry.get(target.workflow, target.workflow_version)
     except KeyError:
         workflow = registry.get(target.workflow)
+    report_notes: list[str] = []
+    chained = audit_runs(store, saver, [r for r in upto if r in rows], report_notes)
     recorded_mode = target.request.get("mode")
     now = fingerprint(recorded_mode) if fingerprint is not None else engine.fingerprint(recorded_mode)
     report = replay_thread(
@@ -450,9 +465,38 @@ def replay_stored_run(
         fingerprint_now=now,
         by=by,
         calibrations=calibrations,
+        audit=chained,
     )
+    report.notes.extend(report_notes)
     store.add_replay(run_id, report.model_dump(mode="json"))
+    chain_replay_reports(store.client, thread_id=target.thread_id, run_id=run_id, store=store,
+                         cp_prefix=getattr(saver, "prefix", "elesium:cp"))
     return report
+
+
+def audit_runs(store: Any, saver: Any, run_ids: list[str], notes: list[str]) -> list[AuditVerdict]:
+    """Verify the audit chain of each run (oldest first) before it is replayed. A run with neither
+    chain nor seal was recorded before chains existed: noted, not failed."""
+    out = []
+    for rid in run_ids:
+        verdict = verify_run(store.client, rid, store=store, cp_prefix=getattr(saver, "prefix", "elesium:cp"))
+        if verdict.entries_checked == 0 and not verdict.sealed:
+            notes.append(f"run {rid} has no audit chain (recorded before chains, or with chaining off)")
+            continue
+        out.append(verdict)
+    return out
+
+
+def chain_divergence(verdict: AuditVerdict) -> Divergence:
+    """A failed chain verdict as a replay divergence: where (entry seq, record) and why."""
+    bad = verdict.first_bad
+    assert bad is not None
+    node, call = None, None
+    if bad.ref.startswith("call:"):
+        node, _, index = bad.ref[5:].rpartition("#")
+        call = int(index) if index.isdigit() else None
+    return Divergence(run_id=verdict.run_id, node=node, call=call, step=bad.seq, field=f"audit.{bad.kind}",
+                      recorded=bad.ref, replayed=bad.reason)
 
 
 def _pins(calibrations: dict[str, str]) -> dict[str, str]:

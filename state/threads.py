@@ -16,7 +16,15 @@ Keys (``P = <prefix>:``, ``{T}`` the thread's hash tag, the checkpointer's)::
     P {T}:calls:<rid>       list   the run's LLM calls (JSON), in call order
     P {T}:replays:<rid>     list   replays of the run (JSON), oldest first
     P run-thread:<rid>      string the run's thread (so a run is found by its id alone)
-    P tenant-threads:<t>    zset   thread ids of tenant t, score = creation ms
+    P tenant-threads:<t>    zset   thread ids of tenant t, score = creation ms (live threads only)
+    P retained-threads      zset   deleted threads kept for audit, score = when their retention ends
+    P audit-events:<t>      stream tenant t's audit events (deletions, purges, legal holds): append-only
+
+Deleting a thread through the API marks it deleted (status ``deleted``, ``deleted_ms``,
+``purge_after_ms``): it leaves its tenant's index and every read of it answers 404, but its records
+stay for audit until purged (:meth:`ThreadStore.claim_purge`, then :meth:`ThreadStore.delete_thread`).
+A legal hold (``legal_hold``) refuses the purge; a thread being purged (status ``purging``) refuses a
+new hold, so the two cannot interleave.
 
 Thread ids are per tenant. A thread is stored under the id its client chose unless another tenant
 already holds that id; then it is stored under ``<id>\x1f<tenant>`` (see :func:`scoped_id`), so
@@ -71,8 +79,16 @@ class ThreadRow(BaseModel):
     created_ms: int = Field(default_factory=now_ms)
     updated_ms: int = Field(default_factory=now_ms)
     metadata: dict[str, Any] = Field(default_factory=dict)
-    status: str = "idle"  # idle | busy | interrupted | error
+    status: str = "idle"  # idle | busy | interrupted | error | deleted | purging
     graph_id: str | None = None
+    deleted_ms: int | None = None  # set when deleted: kept for audit, invisible to normal reads
+    deleted_by: str | None = None
+    purge_after_ms: int | None = None  # when its retention ends (a legal hold keeps it past that)
+    legal_hold: dict[str, Any] | None = None  # {"by", "at_ms", "reason"} while held
+
+    @property
+    def deleted(self) -> bool:
+        return self.deleted_ms is not None or self.status in ("deleted", "purging")
 
 
 class RunRow(BaseModel):
@@ -98,7 +114,7 @@ class RunRow(BaseModel):
     idempotency: str | None = None  # "<digest of the request>" when created with an Idempotency-Key
 
 
-_JSON_FIELDS = {"metadata", "request", "fingerprint", "checkpoints"}
+_JSON_FIELDS = {"metadata", "request", "fingerprint", "checkpoints", "legal_hold"}
 
 
 def _to_hash(row: BaseModel) -> dict[str, str]:
@@ -141,6 +157,38 @@ return 1
 _UPDATE_IF_PRESENT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+# KEYS: thread hash. ARGV: now ms, purge-after ms, by. Marks it deleted unless it is busy or gone:
+# 1 done, 0 missing, -1 busy, -2 already deleted.
+_MARK_DELETED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local cur = redis.call('HGET', KEYS[1], 'status') or 'idle'
+if cur == 'busy' then return -1 end
+if cur == 'deleted' or cur == 'purging' then return -2 end
+redis.call('HSET', KEYS[1], 'status', 'deleted', 'deleted_ms', ARGV[1], 'purge_after_ms', ARGV[2],
+           'deleted_by', ARGV[3], 'updated_ms', ARGV[1])
+return 1
+"""
+
+# KEYS: thread hash. ARGV: now ms. Claims the thread for a purge: 1 claimed (or already purging: a
+# purge that died half-way is taken up again), 0 missing, -1 busy, -2 on legal hold.
+_CLAIM_PURGE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local hold = redis.call('HGET', KEYS[1], 'legal_hold')
+if hold and hold ~= 'null' then return -2 end
+local cur = redis.call('HGET', KEYS[1], 'status') or 'idle'
+if cur == 'busy' then return -1 end
+redis.call('HSET', KEYS[1], 'status', 'purging', 'updated_ms', ARGV[1])
+return 1
+"""
+
+# KEYS: thread hash. ARGV: hold JSON (or 'null' to release), now ms. 1 done, 0 missing, -1 purging.
+_SET_HOLD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[1] ~= 'null' and redis.call('HGET', KEYS[1], 'status') == 'purging' then return -1 end
+redis.call('HSET', KEYS[1], 'legal_hold', ARGV[1], 'updated_ms', ARGV[2])
 return 1
 """
 
@@ -250,15 +298,86 @@ class ThreadStore:
             self.client.eval(_UPDATE_IF_PRESENT, 1, self.thread_key(thread_id), *args)
 
     def list_threads(self, tenant: str, *, limit: int = 10, offset: int = 0) -> list[ThreadRow]:
-        """The tenant's threads, newest first."""
+        """The tenant's live threads, newest first (deleted ones, kept for audit, are not listed)."""
         with self._guard():
             ids = self.client.zrevrange(self._k("tenant-threads", tenant), 0, -1)
             pipe = self.client.pipeline(transaction=False)
             for tid in ids:
                 pipe.hgetall(self.thread_key(tid.decode()))
             rows = [_from_hash(ThreadRow, r) for r in pipe.execute() if r]
-        rows = [r for r in rows if r.tenant == tenant]
+        rows = [r for r in rows if r.tenant == tenant and not r.deleted]
         return rows[offset : offset + limit] if limit > 0 else []
+
+    # ---------------------------------------------------------------- retention
+    def mark_deleted(self, thread_id: str, tenant: str, *, by: str, purge_after_ms: int) -> int:
+        """Mark the thread deleted, kept for audit until ``purge_after_ms``: 1 done, 0 missing, -1 busy,
+        -2 already deleted. The retained index is written first (a crash leaves an entry the sweep
+        skips, as the thread is not deleted), the tenant's index is left after."""
+        retained = self._k("retained-threads", "all")
+        with self._guard():
+            added = self.client.zadd(retained, {thread_id: purge_after_ms}, nx=True)
+            done = int(self.client.eval(_MARK_DELETED, 1, self.thread_key(thread_id), str(now_ms()),
+                                        str(purge_after_ms), by))
+            if done == 1:
+                self.client.zadd(retained, {thread_id: purge_after_ms})
+                self.client.zrem(self._k("tenant-threads", tenant), thread_id)
+            elif added:
+                self.client.zrem(retained, thread_id)
+        return done
+
+    def claim_purge(self, thread_id: str) -> int:
+        """Claim the thread for a purge (status ``purging``): 1 claimed, 0 missing, -1 busy, -2 held.
+        Indexed as due first, so a purge that dies half-way is finished by the next sweep."""
+        with self._guard():
+            added = self.client.zadd(self._k("retained-threads", "all"), {thread_id: now_ms()}, nx=True)
+            done = int(self.client.eval(_CLAIM_PURGE, 1, self.thread_key(thread_id), str(now_ms())))
+            if done != 1 and added:
+                self.client.zrem(self._k("retained-threads", "all"), thread_id)
+        return done
+
+    def set_legal_hold(self, thread_id: str, hold: dict[str, Any] | None) -> int:
+        """Put (``hold``) or release (None) a legal hold: 1 done, 0 missing, -1 being purged."""
+        with self._guard():
+            return int(self.client.eval(_SET_HOLD, 1, self.thread_key(thread_id), json.dumps(hold),
+                                        str(now_ms())))
+
+    def retained_due(self, until_ms: int, limit: int = 100) -> list[str]:
+        """Stored ids of retained threads whose retention ended by ``until_ms`` (held ones included:
+        the caller checks), oldest first."""
+        with self._guard():
+            ids = self.client.zrangebyscore(self._k("retained-threads", "all"), "-inf", until_ms,
+                                            start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def forget_retained(self, thread_id: str) -> None:
+        with self._guard():
+            self.client.zrem(self._k("retained-threads", "all"), thread_id)
+
+    def thread_any(self, thread_id: str) -> ThreadRow | None:
+        """The thread stored under ``thread_id`` whatever its tenant (the retention sweep's read)."""
+        with self._guard():
+            raw = self.client.hgetall(self.thread_key(thread_id))
+        return _from_hash(ThreadRow, raw) if raw else None
+
+    def run_ids(self, thread_id: str) -> list[str]:
+        with self._guard():
+            return [r.decode() for r in self.client.zrange(self._t(thread_id, "runs"), 0, -1)]
+
+    # ---------------------------------------------------------------- audit events
+    def add_audit_event(self, tenant: str, event: dict[str, Any]) -> str:
+        """Append an event (who, what, when) to the tenant's audit stream; never trimmed or deleted."""
+        with self._guard():
+            entry = self.client.xadd(self._k("audit-events", tenant), {"event": json.dumps(event)})
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    def audit_events(
+        self, tenant: str, *, after: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """The tenant's audit events, oldest first, ``limit`` after the stream id ``after``."""
+        with self._guard():
+            rows = self.client.xrange(self._k("audit-events", tenant), min=f"({after}" if after else "-",
+                                      count=limit)
+        return [{"event_id": eid.decode(), **json.loads(fields[b"event"])} for eid, fields in rows]
 
     def delete_thread(self, thread_id: str, tenant: str) -> list[str]:
         """Delete the thread and its runs' rows; returns the run ids (their other data is the caller's)."""
@@ -271,6 +390,7 @@ class ThreadStore:
             pipe.execute()
             pipe = self.client.pipeline(transaction=False)
             pipe.zrem(self._k("tenant-threads", tenant), thread_id)
+            pipe.zrem(self._k("retained-threads", "all"), thread_id)
             for rid in run_ids:
                 pipe.delete(self._k("run-thread", rid))
             pipe.execute()

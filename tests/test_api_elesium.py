@@ -120,7 +120,9 @@ def test_replay_names_a_tampered_token(client, http, api_server):
     r.lset(key, 0, json.dumps(call))
     report = replay(http, tid, rid)
     assert report["verdict"] == "diverged"
-    d = report["divergence"]
+    # The edit breaks the run's audit chain, which is the first finding; the replay's own is kept beside it.
+    assert report["divergence"]["field"].startswith("audit.")
+    d = report["replay_divergence"]
     assert (d["node"], d["call"], d["step"], d["field"]) == ("summarize", 0, 2, "token_ids")
     assert (d["recorded"], d["replayed"]) == (original + 1, original)
 
@@ -140,7 +142,9 @@ def test_replay_names_a_tampered_checkpoint_value(client, http, api_server):
     )
     report = replay(http, tid, rid)
     assert report["verdict"] == "diverged"
-    d = report["divergence"]
+    # The edit breaks the run's audit chain, which is the first finding; the replay's own is kept beside it.
+    assert report["divergence"]["field"].startswith("audit.")
+    d = report["replay_divergence"]
     assert d["field"] == "checkpoint.summary" and d["recorded"] == "forged summary"
     assert d["replayed"] and d["replayed"] != "forged summary" and d["node"] == "summarize"
 
@@ -167,7 +171,9 @@ def test_recorded_mode_fails_when_the_path_differs(client, http, api_server):
     api_server.redis().delete(api_server.services.store._r(rid, "calls"))  # noqa: SLF001
     report = replay(http, tid, rid, mode="recorded")
     assert report["verdict"] == "diverged"
-    d = report["divergence"]
+    # The edit breaks the run's audit chain, which is the first finding; the replay's own is kept beside it.
+    assert report["divergence"]["field"].startswith("audit.")
+    d = report["replay_divergence"]
     assert (d["node"], d["call"], d["field"]) == ("summarize", 0, "path")
 
 

@@ -53,6 +53,12 @@ PER_RESOURCE: dict[Route, dict[str, Any] | None] = {
     ("GET", "/threads/{thread_id}/runs/{run_id}/acceptance"): None,
     ("POST", "/threads/{thread_id}/runs/{run_id}/replay"): {"mode": "recorded"},
     ("GET", "/threads/{thread_id}/runs/{run_id}/replays"): None,
+    ("GET", "/threads/{thread_id}/runs/{run_id}/audit"): None,
+    # retention (issue 43): B's keys have every role, so the ownership check is what answers
+    ("GET", "/threads/{thread_id}/retention"): None,
+    ("POST", "/threads/{thread_id}/purge"): None,
+    ("PUT", "/threads/{thread_id}/legal-hold"): {"reason": "tenant walk"},
+    ("DELETE", "/threads/{thread_id}/legal-hold"): None,
 }
 # Per-resource routes whose ids besides the thread's (a run id in the path, a checkpoint id in the
 # body) are walked a second time on B's *own* thread: A's run or checkpoint must be as missing there too.
@@ -71,11 +77,14 @@ MIXED = {
     ("GET", "/threads/{thread_id}/runs/{run_id}/acceptance"),
     ("POST", "/threads/{thread_id}/runs/{run_id}/replay"),
     ("GET", "/threads/{thread_id}/runs/{run_id}/replays"),
+    ("GET", "/threads/{thread_id}/runs/{run_id}/audit"),
 }
 # Not per-resource, so neither 404 nor 403: any tenant may call them and gets 200 (assistants are the
 # registered workflows, shared by every tenant; searches and counts list the caller's own objects;
-# ops and the model list hold no tenant data). Walked with B's key: 200, no A id in the answer, no write.
-# None of these routes is restricted to some tenants, so no route answers 403 today.
+# ops and the model list hold no tenant data; the audit event stream is the caller's tenant's, and the
+# retention sweep answers with the caller's purges only). Walked with B's key: 200, no A id in the
+# answer, no write. No route is restricted to some tenants; roles (403) are per key, and these keys have
+# every role (keys without roles: full access), see test_api_retention_roles.py.
 SHARED: dict[Route, dict[str, Any] | None] = {
     ("GET", "/healthz"): None,
     ("GET", "/readyz"): None,
@@ -91,6 +100,8 @@ SHARED: dict[Route, dict[str, Any] | None] = {
     ("POST", "/assistants/{assistant_id}/versions"): None,
     ("POST", "/threads/search"): {"limit": 1000},
     ("POST", "/threads/count"): {},
+    ("GET", "/elesium/audit/events"): None,
+    ("POST", "/elesium/audit/purge-expired"): None,
 }
 # Routes that create the caller's own objects and take no id of an existing object in the path: not
 # walked here with a generic body (they would rightly write B's objects). Each has its own test below:

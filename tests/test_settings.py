@@ -17,13 +17,15 @@ ENV_VALUES = {
     "model": "/env/model.gguf", "device": "cpu", "dtype": "float32", "data_dir": "/env/data",
     "cache_dir": "/env/cache", "redis_url": "redis://env:6379/0", "appendfsync": "always",
     "valkey_server": "/env/valkey-server", "tree_attention": "reference", "invariant_numerics": "on",
-    "cpu_weights": "bfloat16", "cpu_compile": "on",
+    "cpu_weights": "bfloat16", "cpu_compile": "on", "audit_key": "env-secret",
+    "audit_signing_key_file": "/env/audit.pem", "audit_chain": "off",
 }
 FLAG_VALUES = {
     "model": "/flag/model.gguf", "device": "cuda", "dtype": "bfloat16", "data_dir": "/flag/data",
     "cache_dir": "/flag/cache", "redis_url": "redis://flag:6379/0", "appendfsync": "no",
     "valkey_server": "/flag/valkey-server", "tree_attention": "triton", "invariant_numerics": "off",
-    "cpu_weights": "float32", "cpu_compile": "off",
+    "cpu_weights": "float32", "cpu_compile": "off", "audit_key": "flag-secret",
+    "audit_signing_key_file": "/flag/audit.pem", "audit_chain": "on",
 }
 
 
@@ -56,7 +58,7 @@ def env(monkeypatch):
 
 
 def expected(values: dict[str, str]) -> Settings:
-    paths = {"data_dir", "cache_dir"}
+    paths = {"data_dir", "cache_dir", "audit_signing_key_file"}
     from pathlib import Path
 
     return Settings(**{k: (Path(v) if k in paths else v) for k, v in values.items()})

@@ -1,8 +1,9 @@
-"""Helpers shared by the routers: JSON shapes of the protocol's objects and SSE framing."""
+"""Helpers shared by the routers: the role check, JSON shapes of the protocol's objects, SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -10,6 +11,8 @@ from typing import Any
 
 from fastapi import Request
 
+from elesium.api.auth import PUBLIC, Forbidden, allows_any, principal, route_role
+from elesium.api.errors import NotFound
 from elesium.api.events import RunChannel
 from elesium.api.execution import Services, assistant_id_of, iso
 from elesium.graphs.replay import jsonable
@@ -21,6 +24,48 @@ log = logging.getLogger("elesium.api")
 def services(request: Request) -> Services:
     """The app's :class:`Services` (installed by the lifespan, one per app)."""
     return request.app.state.services
+
+
+def authorize(request: Request) -> None:
+    """The one role check, installed by the app on every router: the route's role from
+    :data:`elesium.api.auth.ROUTE_ROLES` (a route not declared there is refused: fail closed).
+
+    Order: 401 (no key) before anything; then, when the role is missing, the ownership of the ids in
+    the path (404 exactly as the route would answer for another tenant's or a missing object), and
+    only then 403 naming the role, so a 403 never concerns another tenant's object. Auditor routes,
+    and GET routes called with an auditor key (not admin or full access: those read as normal
+    callers), get the audit view: deleted threads kept for audit are readable.
+    """
+    route = request.scope.get("route")
+    path = getattr(route, "path", None) or request.url.path
+    need = route_role(request.method, path)
+    if need == PUBLIC:
+        return
+    who = principal(request)
+    if need is None:
+        raise Forbidden(f"{request.method} {path} declares no role requirement; refused")
+    if not allows_any(who, need):
+        _owned_or_404(request, who)
+        roles = " or ".join(repr(r) for r in need.split("|"))
+        raise Forbidden(f"{request.method} {path} needs the {roles} role; this API key has "
+                        f"{', '.join(sorted(who.roles)) or 'no roles'}")
+    explicit_auditor = "auditor" in who.roles and "admin" not in who.roles
+    if need == "auditor" or (explicit_auditor and request.method == "GET"):
+        request.state.principal = dataclasses.replace(who, audit_view=True)
+
+
+def _owned_or_404(request: Request, who: Any) -> None:
+    """404 when the path names a thread (or a run of it) the caller's tenant does not have (deleted
+    threads kept for audit count as the tenant's)."""
+    params = request.path_params
+    if "thread_id" not in params:
+        return
+    store = services(request).store
+    thread = store.get_thread(params["thread_id"], who.tenant)
+    if thread is None:
+        raise NotFound.of("thread", params["thread_id"])
+    if "run_id" in params and store.get_run(params["run_id"], who.tenant, thread.thread_id) is None:
+        raise NotFound.of("run", params["run_id"])
 
 
 def detach(fn: Callable[..., Any], *args: Any) -> None:

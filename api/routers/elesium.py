@@ -12,6 +12,7 @@ from elesium.api.errors import InvalidRequest
 from elesium.api.routers.common import services
 from elesium.api.schemas import ReplayRequest
 from elesium.graphs import replay as rp
+from elesium.graphs.audit_chain import verify_run
 
 router = APIRouter(tags=["elesium"])
 
@@ -101,3 +102,16 @@ def list_replays(
     svc = services(request)
     svc.run_or_404(thread_id, run_id, who)
     return [{**r, "thread_id": thread_id} if "thread_id" in r else r for r in svc.store.replays(run_id)]
+
+
+@router.get("/threads/{thread_id}/runs/{run_id}/audit")
+def audit(
+    thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
+) -> dict[str, Any]:
+    """Verify the run's hash chain: every record re-read and re-hashed, the links, the seal and its
+    signature (``ok``, ``first_bad``: the first entry, record or seal that does not verify)."""
+    svc = services(request)
+    svc.run_or_404(thread_id, run_id, who)
+    verdict = verify_run(svc.store.client, run_id, store=svc.store, cp_prefix=svc.saver.prefix,
+                         acceptance=svc.acceptance)
+    return {**verdict.model_dump(mode="json"), "thread_id": thread_id}  # the id the caller knows

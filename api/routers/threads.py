@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
+from elesium.api import retention
 from elesium.api.auth import Principal, principal
 from elesium.api.errors import Conflict, InvalidRequest, NotFound
 from elesium.api.routers.common import empty_state, services, state_json, thread_json
@@ -19,7 +20,6 @@ from elesium.api.schemas import (
     ThreadPatch,
     ThreadSearch,
 )
-from elesium.graphs.audit import calls_key
 from elesium.graphs.replay import jsonable
 from elesium.state.errors import StateError
 from elesium.state.threads import public_id
@@ -83,15 +83,16 @@ def patch_thread(
 
 @router.delete("/threads/{thread_id}", status_code=204)
 def delete_thread(thread_id: str, request: Request, who: Principal = Depends(principal)) -> Response:
+    """Delete the thread: it answers 404 from now on, but its records (checkpoints, runs, LLM calls,
+    acceptance log, replay reports) are kept for audit for ``audit_retention_days`` and then purged
+    (at once when that is 0). See :mod:`elesium.api.retention`."""
     svc = services(request)
     row = svc.thread_or_404(thread_id, who)
+    if row.deleted:  # an auditor's view: already deleted
+        raise NotFound.of("thread", thread_id)
     if row.status == "busy":
         raise Conflict(f"thread {thread_id!r} has a run in progress; cancel it first")
-    run_ids = svc.store.delete_thread(row.thread_id, who.tenant)
-    svc.saver.delete_thread(row.thread_id)
-    for rid in run_ids:
-        svc.acceptance.delete(rid)
-        svc.acceptance.client.delete(calls_key(svc.acceptance, rid))
+    retention.delete_thread(svc, row, who)
     return Response(status_code=204)
 
 

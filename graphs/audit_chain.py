@@ -1,0 +1,373 @@
+"""Which records a run wrote, chaining them as the run goes, and verifying the chain afterwards.
+
+The storage (entries, compare-and-append, seals, signers) is :mod:`elesium.state.audit_chain`; this
+module decides what belongs to a run and reads it the same way for both directions, so whatever
+the appender chained the verifier re-reads by the same ``ref`` and digests the same way:
+
+- ``run`` / ``approval``: the run row's request, seed, workflow and engine; the approver and the
+  resume value (kept apart so an edited approver is named as such);
+- ``checkpoint``: every checkpoint whose metadata names the run (stored bytes + referenced blobs);
+- ``writes``: every pending write on those checkpoints and on the checkpoint the run started from,
+  each write once, by whichever run wrote it first (a resume adds writes to the previous run's last
+  checkpoint: the resuming run chains those);
+- ``call``: each LLM call record (``token_ids`` with the prompt's digest), by (node, call index);
+- ``acceptance``: each entry of the run's acceptance stream, by stream id;
+- ``replay``: each stored replay report (chained after the seal; the seal is then renewed).
+
+:class:`RunAudit` appends after each super-step (``graphs/execution.drive`` calls it) and seals when
+the run ends; :func:`verify_run` recomputes every digest and link, checks the seal and its signature,
+and also fails records that exist but were never chained (an entry appended later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from elesium.config import Settings
+from elesium.state import _keys as K
+from elesium.state.acceptance_log import AcceptanceLog
+from elesium.state.audit_chain import (
+    GENESIS,
+    AuditChain,
+    ChainEntry,
+    Head,
+    Seal,
+    Signer,
+    digest_json,
+    signer_for,
+)
+from elesium.state.audit_records import StoredCheckpoint, read_checkpoints, read_stream
+
+TERMINAL = ("success", "error", "interrupted", "timeout")
+SEAL_STATUS = {"success": "succeeded", "error": "failed", "interrupted": "interrupted"}
+
+
+class Record(NamedTuple):
+    kind: str
+    ref: str
+    digest: str
+
+
+class RunSources:
+    """Where one run's records are read (module docstring), for the appender and the verifier alike.
+
+    Args:
+        client: the Redis client holding the run.
+        store: the API's ``ThreadStore`` (run row, calls, replays); None for runs without one.
+        cp_prefix: the checkpointer's key root.
+        acceptance: the acceptance log whose stream holds the run's entries.
+    """
+
+    def __init__(self, client: Any, *, thread_id: str, run_id: str, store: Any = None,
+                 cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None) -> None:
+        self.client, self.thread_id, self.run_id, self.store = client, thread_id, run_id, store
+        self.cp_prefix = cp_prefix
+        self.stream_key = (acceptance or AcceptanceLog(client)).key(run_id)
+
+    def row(self) -> list[Record]:
+        row = self.store.get_run_any(self.run_id) if self.store is not None else None
+        if row is None:
+            return []
+        fields = ("run_id", "thread_id", "tenant", "assistant_id", "workflow", "workflow_version", "request",
+                  "seed", "fingerprint", "created_ms")
+        run = {k: getattr(row, k) for k in fields}
+        out = [Record("run", "run", digest_json(run))]
+        command = row.request.get("command") or {}
+        if row.approver is not None or "resume" in command:
+            approval = {"approver": row.approver, "resume": command.get("resume")}
+            out.append(Record("approval", "approval", digest_json(approval)))
+        return out
+
+    def calls(self) -> list[Record]:
+        if self.store is None:
+            return []
+        return [Record("call", f"call:{c.get('node')}#{c.get('call')}", digest_json(c))
+                for c in self.store.calls(self.run_id)]
+
+    def replays(self) -> list[Record]:
+        if self.store is None:
+            return []
+        return [Record("replay", f"replay:{r.get('replay_id')}", digest_json(r))
+                for r in self.store.replays(self.run_id)]
+
+    def acceptance(self, after: str | None = None) -> list[Record]:
+        rows = read_stream(self.client, self.stream_key, after)
+        return [Record("acceptance", f"acc:{eid}", d) for eid, d in rows]
+
+    def checkpoints(self, skip: set[str] | frozenset[str] = frozenset()) -> list[StoredCheckpoint]:
+        return read_checkpoints(self.client, self.cp_prefix, self.thread_id, skip=skip)
+
+
+def foreign_refs(chain: AuditChain, thread_id: str, run_id: str) -> tuple[set[str], set[str]]:
+    """(refs, entry hashes) of the thread's other runs' chains: writes they chained are theirs."""
+    refs: set[str] = set()
+    hashes: set[str] = set()
+    for other in chain.runs(thread_id):
+        if other != run_id:
+            for e in chain.entries(thread_id, other):
+                refs.add(e.ref)
+                hashes.add(e.hash)
+    return refs, hashes
+
+
+class RunAudit:
+    """Chains one run's records as it runs (``sync`` after each super-step) and seals it at the end.
+
+    Incremental: it remembers what it chained, skips checkpoints of other runs it need not re-read and
+    reads the acceptance stream from its last chained id. A retried attempt of the run starts from the
+    stored chain; compare-and-append turns a concurrent writer into :class:`StaleHeadError`."""
+
+    def __init__(self, chain: AuditChain, sources: RunSources, *, signer: Signer | None = None) -> None:
+        self.chain, self.src = chain, sources
+        self.signer = signer
+        t, r = sources.thread_id, sources.run_id
+        self.head: Head | None = chain.head(t, r)
+        self.genesis = chain.genesis(t, r) if self.head is None else GENESIS
+        entries = chain.entries(t, r) if self.head is not None else []
+        self.chained: dict[str, str] = {e.ref: e.digest for e in entries}
+        acc = [e.ref for e in entries if e.kind == "acceptance"]
+        self._acc_after: str | None = acc[-1][4:] if acc else None
+        self._foreign, _ = foreign_refs(chain, t, r)
+        self._skip: set[str] = set()
+        self._touched: set[str] = set()
+        self.sync_seconds: list[float] = []  # per sync, for the cost benchmark
+
+    def begin(self, config: Mapping[str, Any]) -> None:
+        """Note the checkpoint the run starts from (a fork's, else the thread's newest): its new
+        pending writes are this run's."""
+        start = (config.get("configurable") or {}).get("checkpoint_id")
+        if not start:
+            keys = K.ThreadKeys.of(self.src.cp_prefix, self.src.thread_id)
+            newest = self.src.client.zrange(keys.idx(K.encode_ns("")), -1, -1)
+            start = newest[0].decode() if newest else None
+        if start:
+            self._touched.add(str(start))
+
+    def pending(self) -> list[Record]:
+        """The run's records not chained yet, in chain order (row, checkpoints and writes, calls,
+        acceptance entries, replay reports)."""
+        run_id, out = self.src.run_id, []
+        seen = set(self.chained)
+
+        def add(rec: Record) -> None:
+            if rec.ref not in seen:
+                seen.add(rec.ref)
+                out.append(rec)
+
+        if "run" not in self.chained:
+            for rec in self.src.row():
+                add(rec)
+        for cp in self.src.checkpoints(self._skip):
+            own = cp.run_id == run_id
+            if own:
+                self._touched.add(cp.parent)
+            elif cp.cid not in self._touched:
+                self._skip.add(cp.cid)
+                continue
+            if own and cp.digest:
+                add(Record("checkpoint", cp.ref, cp.digest))
+            for label in sorted(cp.writes):
+                ref = cp.write_ref(label)
+                if ref not in self._foreign:
+                    add(Record("writes", ref, cp.writes[label]))
+        for rec in self.src.calls():
+            add(rec)
+        for rec in self.src.acceptance(self._acc_after):
+            add(rec)
+            self._acc_after = rec.ref[4:]
+        for rec in self.src.replays():
+            add(rec)
+        return out
+
+    def sync(self) -> int:
+        """Chain whatever the run wrote since the last sync; the number of entries appended."""
+        import time
+
+        t0 = time.perf_counter()
+        records = self.pending()
+        if records:
+            self.head = self.chain.append(self.src.thread_id, self.src.run_id, self.head, records,
+                                          genesis=self.genesis)
+            self.chained.update((r.ref, r.digest) for r in records)
+        self.sync_seconds.append(time.perf_counter() - t0)
+        return len(records)
+
+    def seal(self, status: str) -> Seal:
+        """Chain the last records and sign the head (``status``: the run's outcome or a seal status)."""
+        self.sync()
+        signer = self.signer or signer_for()
+        return self.chain.seal(self.src.thread_id, self.src.run_id, SEAL_STATUS.get(status, status), signer)
+
+
+def open_run_audit(client: Any, *, thread_id: str, run_id: str, store: Any = None,
+                   cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None,
+                   settings: Settings | None = None) -> RunAudit | None:
+    """The run's appender, or None when ``ELESIUM_AUDIT_CHAIN=off``."""
+    settings = settings or Settings.from_env()
+    if settings.audit_chain == "off":
+        return None
+    sources = RunSources(client, thread_id=thread_id, run_id=run_id, store=store, cp_prefix=cp_prefix,
+                         acceptance=acceptance)
+    return RunAudit(AuditChain(client), sources, signer=signer_for(settings))
+
+
+# ---------------------------------------------------------------- verification
+class Finding(BaseModel):
+    """The first entry (or record, or the seal) that does not verify."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seq: int | None
+    kind: str
+    ref: str
+    reason: str
+
+
+class AuditVerdict(BaseModel):
+    """What verifying a run's chain found; ``ok`` only if every check passed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    thread_id: str
+    ok: bool
+    entries_checked: int
+    records_checked: int
+    sealed: bool
+    signed: bool
+    signature_ok: bool | None  # None: nothing to check (unsigned or unsealed)
+    key_id: str = ""
+    first_bad: Finding | None = None
+    findings: int = 0
+    notes: list[str] = []
+
+
+def _link_findings(entries: list[ChainEntry], genesis_ok: set[str]) -> list[Finding]:
+    out: list[Finding] = []
+    for i, e in enumerate(entries):
+        if e.seq != i:
+            out.append(Finding(seq=i, kind="chain", ref=e.ref,
+                               reason=f"entry seq {i} is missing (the next stored entry is seq {e.seq})"))
+            return out  # every later link is off by the gap: one finding says it
+        if not e.intact:
+            out.append(Finding(seq=i, kind=e.kind, ref=e.ref,
+                               reason="the entry's hash does not match its fields"))
+        prev_ok = e.prev in genesis_ok if i == 0 else e.prev == entries[i - 1].hash
+        if not prev_ok:
+            what = "an earlier run's head" if i == 0 else "the previous entry's hash"
+            out.append(Finding(seq=i, kind=e.kind, ref=e.ref, reason=f"prev is not {what}"))
+    return out
+
+
+def verify_run(client: Any, run_id: str, *, store: Any = None, signer: Signer | None = None,
+               cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None,
+               chain: AuditChain | None = None) -> AuditVerdict:
+    """Re-read every record of the run, recompute digests and links, check the seal and signature.
+
+    Raises:
+        KeyError: no such run (neither a run row nor a seal names it).
+    """
+    chain = chain or AuditChain(client)
+    row = store.get_run_any(run_id) if store is not None else None
+    seal = chain.get_seal(run_id)
+    thread_id = row.thread_id if row is not None else seal.thread_id if seal is not None else None
+    if thread_id is None:
+        raise KeyError(f"no run {run_id!r}")
+    signer = signer or signer_for()
+    entries = chain.entries(thread_id, run_id)
+    foreign, other_hashes = foreign_refs(chain, thread_id, run_id)
+    findings = _link_findings(entries, {GENESIS} | other_hashes)
+    src = RunSources(client, thread_id=thread_id, run_id=run_id, store=store, cp_prefix=cp_prefix,
+                     acceptance=acceptance)
+    cps = src.checkpoints()
+    at = {(cp.ns, cp.cid): cp for cp in cps}
+    required: list[Record] = [*src.row()]  # what must be in the chain (writes: in some run's chain)
+    for cp in cps:
+        if cp.run_id == run_id:
+            required.append(Record("checkpoint", cp.ref, cp.digest))
+            required += [Record("writes", cp.write_ref(k), d) for k, d in sorted(cp.writes.items())]
+    required += [*src.calls(), *src.acceptance(), *src.replays()]
+    by_ref: dict[str, list[str]] = {}
+    for rec in required:
+        by_ref.setdefault(rec.ref, []).append(rec.digest)
+    for e in entries:  # writes this run added to the checkpoint it started from (another run's)
+        if e.kind == "writes" and e.ref not in by_ref:
+            _, ns, cid, label = e.ref.split(":", 3)
+            cp = at.get((ns, cid))
+            if cp is not None and label in cp.writes:
+                by_ref[e.ref] = [cp.writes[label]]
+    for e in entries:
+        got = by_ref.get(e.ref)
+        if not got:
+            findings.append(Finding(seq=e.seq, kind=e.kind, ref=e.ref,
+                                    reason="the chained record is missing"))
+        elif any(d != e.digest for d in got):
+            findings.append(Finding(seq=e.seq, kind=e.kind, ref=e.ref,
+                                    reason="the record's content differs from its chained digest"))
+    chained = {e.ref for e in entries}
+    for ref in dict.fromkeys(r.ref for r in required if r.ref not in chained):
+        kind = next(r.kind for r in required if r.ref == ref)
+        if kind == "writes" and ref in foreign:
+            continue
+        findings.append(Finding(seq=None, kind=kind, ref=ref,
+                                reason="the record is not in the chain (written after the chain was)"))
+    notes: list[str] = []
+    sealed, signed, signature_ok = seal is not None, False, None
+    seal_findings: list[Finding] = []
+    if seal is None:
+        if row is not None and row.status in TERMINAL:
+            seal_findings.append(Finding(seq=None, kind="seal", ref=run_id,
+                                         reason="the run ended but its chain was never sealed"))
+        else:
+            notes.append("the chain is not sealed (the run has not ended)")
+    else:
+        signed = seal.alg != "none"
+        if not signed:
+            notes.append("the seal is unsigned (no ELESIUM_AUDIT_KEY / ELESIUM_AUDIT_SIGNING_KEY_FILE): a "
+                         "rewrite of records, chain and seal together cannot be excluded")
+        else:
+            signature_ok = seal.key_id == signer.key_id and signer.verify(seal.payload(), seal.signature)
+            if not signature_ok:
+                why = ("does not verify" if seal.key_id == signer.key_id else
+                       f"was made with key {seal.key_id or '?'}, not {signer.key_id or 'none'}")
+                seal_findings.append(Finding(seq=None, kind="seal", ref=run_id,
+                                             reason=f"the seal's signature {why}"))
+        head = entries[-1].hash if entries else GENESIS
+        if seal.count != len(entries) or seal.head != head:
+            seq = min(seal.count, len(entries))
+            at = entries[seq] if seq < len(entries) else None
+            seal_findings.append(Finding(
+                seq=seq, kind=at.kind if at else "chain", ref=at.ref if at else "",
+                reason=f"the seal covers {seal.count} entries ending {seal.head[:12]}; the chain has "
+                       f"{len(entries)} ending {head[:12]}"))
+    findings.sort(key=lambda f: (f.seq is None, f.seq if f.seq is not None else 0))
+    ordered = ([f for f in seal_findings if f.reason.startswith("the seal's signature")] + findings
+               + [f for f in seal_findings if not f.reason.startswith("the seal's signature")])
+    if not entries and not ordered:
+        ordered = [Finding(seq=None, kind="chain", ref=run_id, reason="the run has no audit chain")]
+    return AuditVerdict(run_id=run_id, thread_id=thread_id, ok=not ordered, entries_checked=len(entries),
+                        records_checked=sum(len(v) for v in by_ref.values()), sealed=sealed, signed=signed,
+                        signature_ok=signature_ok, key_id=seal.key_id if seal else "",
+                        first_bad=ordered[0] if ordered else None, findings=len(ordered), notes=notes)
+
+
+def chain_replay_reports(client: Any, *, thread_id: str, run_id: str, store: Any,
+                         cp_prefix: str = K.DEFAULT_PREFIX) -> int:
+    """Chain the run's replay reports not chained yet and renew its seal; the number chained.
+
+    Only reports: a record of another kind that appeared after the run ended is exactly what
+    verification must keep failing, so it is never chained late. A run without a chain (recorded
+    before chains existed, or with chaining off) is left alone."""
+    audit = open_run_audit(client, thread_id=thread_id, run_id=run_id, store=store, cp_prefix=cp_prefix)
+    if audit is None or audit.head is None:
+        return 0
+    records = [r for r in audit.src.replays() if r.ref not in audit.chained]
+    if records:
+        audit.head = audit.chain.append(thread_id, run_id, audit.head, records)
+        seal = audit.chain.get_seal(run_id)
+        if seal is not None:
+            audit.chain.seal(thread_id, run_id, seal.status, audit.signer or signer_for())
+    return len(records)
