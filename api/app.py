@@ -222,6 +222,8 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
     # Every route's role (elesium.api.auth.ROUTE_ROLES) is checked by this one dependency.
     for module in (ops, assistants, threads, runs, elesium, openai, audit_admin):
         app.include_router(module.router, dependencies=[Depends(authorize)])
+    from elesium.api.console import mount as console  # the audit console at /console (its own login)
+    app.router.routes.append(console)
 
     install_handlers(app)
 

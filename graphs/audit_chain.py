@@ -296,9 +296,9 @@ def verify_run(client: Any, run_id: str, *, store: Any = None, signer: Signer | 
     for e in entries:  # writes this run added to the checkpoint it started from (another run's)
         if e.kind == "writes" and e.ref not in by_ref:
             _, ns, cid, label = e.ref.split(":", 3)
-            cp = at.get((ns, cid))
-            if cp is not None and label in cp.writes:
-                by_ref[e.ref] = [cp.writes[label]]
+            owner = at.get((ns, cid))
+            if owner is not None and label in owner.writes:
+                by_ref[e.ref] = [owner.writes[label]]
     for e in entries:
         got = by_ref.get(e.ref)
         if not got:
@@ -338,9 +338,9 @@ def verify_run(client: Any, run_id: str, *, store: Any = None, signer: Signer | 
         head = entries[-1].hash if entries else GENESIS
         if seal.count != len(entries) or seal.head != head:
             seq = min(seal.count, len(entries))
-            at = entries[seq] if seq < len(entries) else None
+            past = entries[seq] if seq < len(entries) else None
             seal_findings.append(Finding(
-                seq=seq, kind=at.kind if at else "chain", ref=at.ref if at else "",
+                seq=seq, kind=past.kind if past else "chain", ref=past.ref if past else "",
                 reason=f"the seal covers {seal.count} entries ending {seal.head[:12]}; the chain has "
                        f"{len(entries)} ending {head[:12]}"))
     findings.sort(key=lambda f: (f.seq is None, f.seq if f.seq is not None else 0))
