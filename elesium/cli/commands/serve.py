@@ -13,6 +13,7 @@ any machine doing the work. On SIGTERM uvicorn stops taking requests and in-flig
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from elesium.cli.commands.common import add_model_args, load_engine
@@ -84,6 +85,17 @@ def run(args: argparse.Namespace) -> int:
         )
     engine = load_engine(args)
     app = create_app(settings, engine=engine)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=int(args.grace) + 5)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found.
+    # The default handler would kill the process there, before atexit stops the embedded Valkey (left
+    # running, re-parented to PID 1); this one ends it as a normal exit, so atexit runs.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=int(args.grace) + 5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
