@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--max-nodes", type=int, default=16)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="float32: the eager reference; auto: the default path")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -34,7 +35,8 @@ def main() -> None:
 
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows][: args.limit]
-    engine = Engine.load(device=args.device)
+    started = time.perf_counter()
+    engine = Engine.load(device=args.device, dtype=args.dtype)
     # A flat cost curve: the tree fills its budget, so branches are checked too (the tuned curve of a
     # CPU would shrink it to a chain).
     policy = TreePolicy(kind="dynamic", max_nodes=args.max_nodes)
@@ -63,7 +65,7 @@ def main() -> None:
            "median_vanilla_tokens_per_s": statistics.median(r["vanilla_tokens_per_s"] for r in out),
            "median_speculative_tokens_per_s": statistics.median(r["speculative_tokens_per_s"] for r in out),
            "median_tau": statistics.median(r["tau"] for r in out), "rows": out,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+           "wall_s": round(time.perf_counter() - started, 1), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     print(f"identical {doc['identical']}/{len(out)}; median tau {doc['median_tau']:.2f}")

@@ -34,6 +34,16 @@ def engine():
 
 
 @pytest.fixture(scope="session")
+def default_engine():
+    """What a user's ``Engine.load()`` builds on this machine, every setting at its default (on a CPU:
+    the GGUF's 4-bit blocks, decode steps through the compiled step). Loaded once, when first asked for:
+    its weight packing and compile cost about a minute on 2 cores (in the session's cache directory)."""
+    from elesium.inference.engine import Engine
+
+    return Engine.load()
+
+
+@pytest.fixture(scope="session")
 def weights(engine):
     return engine.weights_info
 
@@ -61,3 +71,15 @@ def restored_engine(engine):
     elif engine.heads is not heads:
         engine.heads = heads
     engine.policy, engine.speculate = policy, speculate
+
+
+def pytest_collection_modifyitems(config, items):
+    """``identity_full`` tests (the whole identity sets, tens of minutes) run only when ``-m`` names them;
+    otherwise each is skipped with the command that runs it, so ``-ra`` lists what was left out."""
+    if "identity_full" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(
+        reason="full identity set: ./dev test -m identity_full tests/test_identity_sets.py")
+    for item in items:
+        if "identity_full" in item.keywords:
+            item.add_marker(skip)
