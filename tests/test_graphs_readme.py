@@ -1,4 +1,4 @@
-"""The README's "Write your own workflow" example, run exactly as written (real model and Redis)."""
+"""The README's "Write your own workflow" example, run as written on the default `Engine.load()`."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ def example_code() -> str:
 
 
 def test_readme_workflow_example_runs(
-    engine, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    default_engine, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
-    # The example calls Engine.load(); the suite loads the model once per session, so hand it that engine.
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
+    # The example calls Engine.load(); the suite loads that default engine once per session: hand it over.
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: default_engine))
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.chdir(tmp_path)  # the example fits its probe into the working directory
     namespace: dict = {"__name__": "readme_example"}
