@@ -61,6 +61,8 @@ def divergences(engine: Engine, prompts: list[str], max_tokens: int) -> tuple[li
         vanilla = engine.generate(prompt, params, mode="vanilla")
         spec = engine.generate(prompt, params, mode="speculative", policy=FORCED_TREE)
         accepting += sum(s.accepted_length > 0 for s in spec.steps)
+        print(f"  prompt {i}: {'identical' if spec.token_ids == vanilla.token_ids else 'DIFFERS'} "
+              f"({len(vanilla.token_ids)} tokens, tau {spec.mean_accepted:.2f})", flush=True)
         if spec.token_ids != vanilla.token_ids:
             k = next((j for j, (a, b) in enumerate(zip(vanilla.token_ids, spec.token_ids)) if a != b),
                      min(len(vanilla.token_ids), len(spec.token_ids)))
