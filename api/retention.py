@@ -6,6 +6,14 @@ keeps its records (checkpoints, run rows, LLM calls, acceptance log, replay repo
 :func:`purge` erases them (an auditor's ``POST /threads/{id}/purge``, or :func:`purge_expired` once
 the retention has ended); a legal hold refuses both. Every deletion, purge and hold change is appended
 to the tenant's audit event stream (``ThreadStore.add_audit_event``): who, what, when.
+
+``DELETE /threads/{tid}/runs/{rid}`` follows the same retention for one run (:func:`delete_run`): the
+run is marked deleted (404 for normal reads, readable by an auditor like a deleted thread) and its
+records (row, LLM calls, replay reports, acceptance log, audit chain) stay until the retention ends,
+then the sweep purges the run alone (:func:`purge_expired_runs`, part of :func:`purge_expired`); a
+purge of its thread, earlier, erases it with the thread's other runs. The thread's legal hold keeps
+the run too. 0 erases the run's records at once (:func:`purge_run`). Deletion and purge are recorded
+(``run.deleted``, ``run.purged``).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 from elesium.api.auth import Principal
 from elesium.api.errors import Conflict, NotFound
 from elesium.api.execution import Services
-from elesium.state.threads import ThreadRow, now_ms, public_id
+from elesium.state.threads import RunRow, ThreadRow, now_ms, public_id
 
 log = logging.getLogger("elesium.api")
 DAY_MS = 86_400_000
@@ -76,6 +84,54 @@ def purge(svc: Services, row: ThreadRow, by: str, *, reason: str) -> list[str]:
     return run_ids
 
 
+def delete_run(svc: Services, run: RunRow, who: Principal) -> None:
+    """The API's deletion of one finished run: mark it deleted and keep its records, or purge them at
+    once when retention is 0 (409 while its thread is under legal hold)."""
+    days = svc.settings.audit_retention_days
+    if days <= 0:
+        purge_run(svc, run, who.identity, reason="deleted (audit retention 0: no records kept)")
+        return
+    purge_after = now_ms() + int(days * DAY_MS)
+    done = svc.store.mark_run_deleted(run.run_id, by=who.identity, purge_after_ms=purge_after)
+    if done == 0 or done == -2:
+        raise NotFound.of("run", run.run_id)
+    if done == -1:
+        raise Conflict(f"run {run.run_id!r} is in progress; cancel it first")
+    record(svc, run.tenant, "run.deleted", run.thread_id, who.identity, run_id=run.run_id,
+           purge_after_ms=purge_after)
+
+
+def purge_run(svc: Services, run: RunRow, by: str, *, reason: str) -> None:
+    """Erase one run's records (acceptance log, call set, audit chain and seal, then its row, calls and
+    replays); 409 while its thread is under legal hold or the run is in progress. Its checkpoints
+    belong to the thread and stay (later runs build on them)."""
+    thread = svc.store.thread_any(run.thread_id)
+    if thread is not None and thread.legal_hold:
+        hold = thread.legal_hold
+        raise Conflict(
+            f"thread {public_id(run.thread_id)!r} is under legal hold (set by {hold.get('by', '?')}"
+            f"{': ' + hold['reason'] if hold.get('reason') else ''}); its runs are kept until it is released"
+        )
+    fresh = svc.store.get_run_any(run.run_id) or run
+    if fresh.status in ("pending", "running"):
+        raise Conflict(f"run {run.run_id!r} is {fresh.status}; cancel it first")
+    from elesium.graphs.audit import calls_key
+
+    rid = run.run_id
+    svc.acceptance.delete(rid)
+    svc.acceptance.client.delete(calls_key(svc.acceptance, rid))
+    _delete_audit_chain(svc, run.thread_id, rid)
+    svc.store.delete_run(rid, run.thread_id)  # the row (and its retained index entry) last
+    record(svc, run.tenant, "run.purged", run.thread_id, by, run_id=rid, reason=reason)
+
+
+def _delete_audit_chain(svc: Services, thread_id: str, run_id: str) -> None:
+    from elesium.state.audit_chain import AuditChain
+
+    target = getattr(svc.acceptance, "_target", "the configured server")
+    AuditChain(svc.acceptance.client, target=target).delete(thread_id, run_id)
+
+
 def _delete_audit_chains(svc: Services, thread_id: str) -> None:
     """The thread's runs' hash-chained audit records and seals (:mod:`elesium.state.audit_chain`)."""
     try:
@@ -119,8 +175,9 @@ def retention_json(row: ThreadRow) -> dict[str, Any]:
 
 def purge_expired(svc: Services, *, now: int | None = None, limit: int = 100) -> list[tuple[str, str]]:
     """Purge every deleted thread whose retention ended by ``now`` (ms) and is not on legal hold, and
-    finish purges that died half-way; each purge is recorded (by ``system/retention``). Returns
-    (tenant, public thread id) of each purge. Called by the server's sweep thread and by
+    finish purges that died half-way; then every deleted run whose retention ended
+    (:func:`purge_expired_runs`). Each purge is recorded (by ``system/retention``). Returns (tenant,
+    public thread id) of each thread purged. Called by the server's sweep thread and by
     ``POST /elesium/audit/purge-expired``."""
     now = now_ms() if now is None else now
     purged: list[tuple[str, str]] = []
@@ -139,6 +196,33 @@ def purge_expired(svc: Services, *, now: int | None = None, limit: int = 100) ->
         except Conflict:
             continue  # put on hold meanwhile
         purged.append((row.tenant, public_id(tid)))
+    purge_expired_runs(svc, now=now, limit=limit)
+    return purged
+
+
+def purge_expired_runs(
+    svc: Services, *, now: int | None = None, limit: int = 100
+) -> list[tuple[str, str, str]]:
+    """Purge every deleted run whose retention ended by ``now`` (ms) and whose thread is not on legal
+    hold (recorded ``run.purged`` by ``system/retention``); (tenant, public thread id, run id) of each.
+    A run whose thread was deleted too is left to the thread's purge (its hold and retention rule)."""
+    now = now_ms() if now is None else now
+    purged: list[tuple[str, str, str]] = []
+    for rid in svc.store.retained_runs_due(now, limit=limit):
+        run = svc.store.get_run_any(rid)
+        if run is None:
+            svc.store.forget_retained_run(rid)
+            continue
+        if not run.deleted or (run.purge_after_ms or 0) > now:
+            continue  # an index entry of a crash (the run was never marked), or re-deleted later
+        thread = svc.store.thread_any(run.thread_id)
+        if thread is not None and (thread.legal_hold or thread.deleted):
+            continue  # held (kept past its retention), or the thread's own purge will take it
+        try:
+            purge_run(svc, run, SYSTEM, reason="retention expired")
+        except Conflict:
+            continue  # put on hold meanwhile
+        purged.append((run.tenant, public_id(run.thread_id), rid))
     return purged
 
 

@@ -5,7 +5,11 @@ module decides what belongs to a run and reads it the same way for both directio
 the appender chained the verifier re-reads by the same ``ref`` and digests the same way:
 
 - ``run`` / ``approval``: the run row's request, seed, workflow and engine; the approver and the
-  resume value (kept apart so an edited approver is named as such);
+  resume value (kept apart so an edited approver is named as such). A run without a ``ThreadStore``
+  row (``WorkflowRunner``: ``elesium run`` without ``--server``, background runs) has its run
+  registry record (``state/runs.RunRecord``) instead: its identity (workflow and version, input and
+  its hash, seeds, tenant, thread, engine, creation time), not what changes as it runs (status,
+  calibration pins); its resume values are pending writes, chained as such;
 - ``checkpoint``: every checkpoint whose metadata names the run (stored bytes + referenced blobs);
 - ``writes``: every pending write on those checkpoints and on the checkpoint the run started from,
   each write once, by whichever run wrote it first (a resume adds writes to the previous run's last
@@ -29,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from elesium.config import Settings
 from elesium.state import _keys as K
 from elesium.state.acceptance_log import AcceptanceLog
+from elesium.state.audit_chain import DEFAULT_PREFIX as CHAIN_PREFIX
 from elesium.state.audit_chain import (
     GENESIS,
     AuditChain,
@@ -42,6 +47,10 @@ from elesium.state.audit_chain import (
 from elesium.state.audit_records import StoredCheckpoint, read_checkpoints, read_stream
 
 TERMINAL = ("success", "error", "interrupted", "timeout")
+REGISTRY_TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")  # state/runs.RunStatus values
+REGISTRY_FIELDS = {"run_id", "workflow", "workflow_version", "input_hash", "seeds", "tenant", "thread_id",
+                   "input", "engine", "created_at"}
+"""What of a run registry record is chained: fixed when the run is created."""
 SEAL_STATUS = {"success": "succeeded", "error": "failed", "interrupted": "interrupted"}
 
 
@@ -59,18 +68,22 @@ class RunSources:
         store: the API's ``ThreadStore`` (run row, calls, replays); None for runs without one.
         cp_prefix: the checkpointer's key root.
         acceptance: the acceptance log whose stream holds the run's entries.
+        registry: the ``RunRegistry`` whose record is the run's identity when ``store`` has no row
+            (``WorkflowRunner`` runs; their LLM calls are in the acceptance stream).
     """
 
     def __init__(self, client: Any, *, thread_id: str, run_id: str, store: Any = None,
-                 cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None) -> None:
+                 cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None,
+                 registry: Any = None) -> None:
         self.client, self.thread_id, self.run_id, self.store = client, thread_id, run_id, store
         self.cp_prefix = cp_prefix
+        self.registry = registry
         self.stream_key = (acceptance or AcceptanceLog(client)).key(run_id)
 
     def row(self) -> list[Record]:
         row = self.store.get_run_any(self.run_id) if self.store is not None else None
         if row is None:
-            return []
+            return self.registry_row()
         fields = ("run_id", "thread_id", "tenant", "assistant_id", "workflow", "workflow_version", "request",
                   "seed", "fingerprint", "created_ms")
         run = {k: getattr(row, k) for k in fields}
@@ -80,6 +93,13 @@ class RunSources:
             approval = {"approver": row.approver, "resume": command.get("resume")}
             out.append(Record("approval", "approval", digest_json(approval)))
         return out
+
+    def registry_row(self) -> list[Record]:
+        """The run registry record's identity, as the ``run`` record (none without a registry)."""
+        record = self.registry.get(self.run_id) if self.registry is not None else None
+        if record is None:
+            return []
+        return [Record("run", "run", digest_json(record.model_dump(mode="json", include=REGISTRY_FIELDS)))]
 
     def calls(self) -> list[Record]:
         if self.store is None:
@@ -204,14 +224,19 @@ class RunAudit:
 
 def open_run_audit(client: Any, *, thread_id: str, run_id: str, store: Any = None,
                    cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None,
-                   settings: Settings | None = None) -> RunAudit | None:
-    """The run's appender, or None when ``ELESIUM_AUDIT_CHAIN=off``."""
+                   settings: Settings | None = None, registry: Any = None,
+                   chain_prefix: str = CHAIN_PREFIX) -> RunAudit | None:
+    """The run's appender, or None when ``ELESIUM_AUDIT_CHAIN=off``.
+
+    ``registry``: the run registry, for runs without a ``ThreadStore`` row (:class:`RunSources`);
+    ``chain_prefix``: the chain's key root (``WorkflowRunner``: ``<its prefix>:audit``, which for the
+    default ``elesium`` is the API's)."""
     settings = settings or Settings.from_env()
     if settings.audit_chain == "off":
         return None
     sources = RunSources(client, thread_id=thread_id, run_id=run_id, store=store, cp_prefix=cp_prefix,
-                         acceptance=acceptance)
-    return RunAudit(AuditChain(client), sources, signer=signer_for(settings))
+                         acceptance=acceptance, registry=registry)
+    return RunAudit(AuditChain(client, prefix=chain_prefix), sources, signer=signer_for(settings))
 
 
 # ---------------------------------------------------------------- verification
@@ -264,16 +289,21 @@ def _link_findings(entries: list[ChainEntry], genesis_ok: set[str]) -> list[Find
 
 def verify_run(client: Any, run_id: str, *, store: Any = None, signer: Signer | None = None,
                cp_prefix: str = K.DEFAULT_PREFIX, acceptance: AcceptanceLog | None = None,
-               chain: AuditChain | None = None) -> AuditVerdict:
+               chain: AuditChain | None = None, registry: Any = None) -> AuditVerdict:
     """Re-read every record of the run, recompute digests and links, check the seal and signature.
 
+    ``registry``: the run registry, for a run without a ``ThreadStore`` row (a ``WorkflowRunner``
+    run, whose ``chain`` is then ``AuditChain(client, prefix="<runner prefix>:audit")``).
+
     Raises:
-        KeyError: no such run (neither a run row nor a seal names it).
+        KeyError: no such run (neither a run row, a registry record nor a seal names it).
     """
     chain = chain or AuditChain(client)
     row = store.get_run_any(run_id) if store is not None else None
+    record = registry.get(run_id) if row is None and registry is not None else None
     seal = chain.get_seal(run_id)
-    thread_id = row.thread_id if row is not None else seal.thread_id if seal is not None else None
+    thread_id = (row.thread_id if row is not None else (record.thread_id or run_id) if record is not None
+                 else seal.thread_id if seal is not None else None)
     if thread_id is None:
         raise KeyError(f"no run {run_id!r}")
     signer = signer or signer_for()
@@ -281,7 +311,7 @@ def verify_run(client: Any, run_id: str, *, store: Any = None, signer: Signer | 
     foreign, other_hashes = foreign_refs(chain, thread_id, run_id)
     findings = _link_findings(entries, {GENESIS} | other_hashes)
     src = RunSources(client, thread_id=thread_id, run_id=run_id, store=store, cp_prefix=cp_prefix,
-                     acceptance=acceptance)
+                     acceptance=acceptance, registry=registry)
     cps = src.checkpoints()
     at = {(cp.ns, cp.cid): cp for cp in cps}
     required: list[Record] = [*src.row()]  # what must be in the chain (writes: in some run's chain)
@@ -318,7 +348,9 @@ def verify_run(client: Any, run_id: str, *, store: Any = None, signer: Signer | 
     sealed, signed, signature_ok = seal is not None, False, None
     seal_findings: list[Finding] = []
     if seal is None:
-        if row is not None and row.status in TERMINAL:
+        ended = (row is not None and row.status in TERMINAL) or (
+            record is not None and str(getattr(record.status, "value", record.status)) in REGISTRY_TERMINAL)
+        if ended:
             seal_findings.append(Finding(seq=None, kind="seal", ref=run_id,
                                          reason="the run ended but its chain was never sealed"))
         else:

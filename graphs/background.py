@@ -5,7 +5,9 @@ the run as pending in the run registry, enqueue it. ``WorkflowExecutor`` is the 
 ``execute(run_id, lease)`` callback ``elesium worker`` runs: it reads the run record, refuses an engine
 other than the one the run was recorded with (tokens would differ), builds the workflow's graph on the
 lease's fenced checkpointer, gives the LLM nodes the lease's fenced acceptance log, and starts or
-resumes the graph through :mod:`elesium.graphs.execution`, keeping the registry's status in step.
+resumes the graph through :mod:`elesium.graphs.execution`, keeping the registry's status in step, and
+hash-chains what the run writes (:mod:`elesium.graphs.audit_chain`, under ``<prefix>:audit``, as
+``WorkflowRunner`` does; a retried attempt continues the chain), sealed when it ends.
 ``GraphExecutor`` does the same for any graph built per run (no workflow registry).
 
 Idempotency: with an ``idempotency_key`` the run id is derived from (tenant, key), so two concurrent
@@ -22,7 +24,16 @@ from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 
-from elesium.graphs.execution import RunEngine, check_engine, drive, outcome_now, resume_point, run_config
+from elesium.graphs.audit_chain import open_run_audit
+from elesium.graphs.execution import (
+    RunChain,
+    RunEngine,
+    check_engine,
+    drive,
+    outcome_now,
+    resume_point,
+    run_config,
+)
 from elesium.graphs.registry import Workflow
 from elesium.graphs.runner import WorkflowRunner, validate
 from elesium.graphs.seeds import fresh_run_seed
@@ -73,14 +84,16 @@ def submit(runner: WorkflowRunner, queue: RunQueue, workflow: Workflow | str, in
 
 
 def drive_leased(graph: Any, lease: Lease, graph_input: Any, config: RunnableConfig,
-                 engine: RunEngine | None = None) -> str:
+                 engine: RunEngine | None = None, audit: RunChain | None = None) -> str:
     """One attempt of a queued run: start it, continue it from the checkpoint an earlier attempt
     reached, or, when that attempt finished the graph and died before acknowledging, execute nothing.
     Returns "succeeded" or "interrupted"; a node's exception propagates (after the lease is asked for
     the real reason: a stream closed by a cancel, a timeout or a lost lease surfaces as that).
 
     The lease is checked after every super-step, and an abort closes the run's open generations at once
-    (through ``engine``), so a long LLM call stops after its current decode step."""
+    (through ``engine``), so a long LLM call stops after its current decode step. ``audit``: the run's
+    hash chain, chained per super-step and sealed with the outcome (also when an earlier attempt
+    finished the graph and died before sealing)."""
     run_id = str(config["configurable"]["run_id"])
     thread_id = str(config["configurable"]["thread_id"])
     unregister = lease.on_abort(engine.cancel) if engine is not None else (lambda: None)
@@ -88,11 +101,13 @@ def drive_leased(graph: Any, lease: Lease, graph_input: Any, config: RunnableCon
         point = resume_point(graph, config, run_id)
         if point == "done":
             outcome = outcome_now(graph, thread_id)
+            if audit is not None:
+                audit.seal(outcome.status)
         else:
             try:
                 outcome = drive(graph, graph_input if point == "start" else None, config,
                                 cancelled=engine.cancelled if engine is not None else None,
-                                between_steps=lease.check, stream_modes=("updates",))
+                                between_steps=lease.check, stream_modes=("updates",), audit=audit)
             except Exception:  # noqa: BLE001 - re-raised; only the lease's reason may replace it
                 lease.check()  # cancelled, timed out or lost: raise that instead
                 raise
@@ -163,8 +178,11 @@ class WorkflowExecutor:
         config = run_config(engine, seed=record.seeds["run"], run_id=run_id,
                             thread_id=record.thread_id or run_id, tenant=record.tenant, log=log, mode=mode,
                             workflow=wf.name)
+        audit = open_run_audit(runs.client, thread_id=record.thread_id or run_id, run_id=run_id,
+                               registry=runs, cp_prefix=f"{self.prefix}:cp", acceptance=log,
+                               chain_prefix=f"{self.prefix}:audit")
         try:
-            outcome = drive_leased(graph, lease, record.input, config, engine)
+            outcome = drive_leased(graph, lease, record.input, config, engine, audit)
         except RunCancelledError:
             runs.update_status(run_id, RunStatus.CANCELLED)
             raise

@@ -417,13 +417,16 @@ def replay_stored_run(
     The recorded workflow version is used when still registered, else the current one (and the report
     says so). Raises KeyError for an unknown run, :class:`ReplayRefused` for one that cannot be replayed.
     """
-    target = store.get_run_any(run_id) if tenant is None else store.get_run(run_id, tenant)
+    # A deleted run (kept for audit) is replayable: the API's replay route is the auditor's.
+    target = (store.get_run_any(run_id) if tenant is None
+              else store.get_run(run_id, tenant, include_deleted=True))
     if target is None:
         raise KeyError(f"run {run_id!r} not found")
     if target.status in ("pending", "running"):
         raise ReplayRefused(f"run {run_id!r} is {target.status}; replay it once it ends")
     ops = store.ops(target.thread_id)
-    rows = {r.run_id: r for r in store.list_runs(target.thread_id, target.tenant, limit=100_000)}
+    rows = {r.run_id: r for r in store.list_runs(target.thread_id, target.tenant, limit=100_000,
+                                                 include_deleted=True)}
     order = [op.get("run_id") for op in ops if op.get("kind") == "run"]
     upto = order[: order.index(run_id) + 1] if run_id in order else [run_id]
     if any(rows[r].error == "cancelled" for r in upto if r in rows):

@@ -7,6 +7,11 @@ run is registered with everything a re-execution needs (workflow version, input,
 engine fingerprint), and the graph runs on the checkpointer under the run's thread. A run that
 stops at a LangGraph ``interrupt`` is marked ``interrupted``; :meth:`WorkflowRunner.resume`
 continues it with ``Command(resume=value)`` after checking the engine is the one it started on.
+
+Every run is hash-chained as it goes (:mod:`elesium.graphs.audit_chain`: its registry record,
+checkpoints and pending writes, acceptance entries) under ``<prefix>:audit`` and sealed when it ends
+or stops at an interrupt; a resume continues the same run's chain and seals it again.
+``elesium audit verify RUN_ID`` checks it (:func:`audit_verify`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from langgraph.types import Command
 from pydantic import BaseModel, ValidationError
 
 from elesium.errors import UserError
+from elesium.graphs.audit_chain import AuditVerdict, open_run_audit, verify_run
 from elesium.graphs.calibration import NodeCalibrator
 from elesium.graphs.execution import EngineMismatchError, RunEngine, check_engine, drive, learn, run_config
 from elesium.graphs.registry import Registry, Workflow
@@ -27,6 +33,7 @@ from elesium.graphs.seeds import fresh_run_seed
 from elesium.graphs.workflows import default_registry
 from elesium.inference.types import TextEngine
 from elesium.state.acceptance_log import AcceptanceLog, Retention
+from elesium.state.audit_chain import AuditChain
 from elesium.state.calibrations import CalibrationStore
 from elesium.state.checkpointer import RedisSaver
 from elesium.state.connection import default_url
@@ -103,6 +110,7 @@ class WorkflowRunner:
         prefix: str = "elesium",
     ) -> None:
         url = redis_url or default_url()
+        self.prefix = prefix
         self.engine = engine
         self.registry = registry or default_registry()
         self.mode = mode
@@ -195,7 +203,12 @@ class WorkflowRunner:
         result = RunResult(run_id=record.run_id, thread_id=thread_id, workflow=wf.name,
                            workflow_version=wf.version, status="failed", seed=seed,
                            fingerprint=dict(record.engine))
-        outcome = drive(graph, graph_input, config, emit=on_event, stream_modes=("updates", "custom"))
+        # The run's hash chain (a resume continues it: same run id): per super-step, sealed at the end.
+        audit = open_run_audit(self.runs.client, thread_id=thread_id, run_id=record.run_id,
+                               registry=self.runs, cp_prefix=self.saver.prefix, acceptance=self.log,
+                               chain_prefix=f"{self.prefix}:audit")
+        outcome = drive(graph, graph_input, config, emit=on_event, stream_modes=("updates", "custom"),
+                        audit=audit)
         if outcome.status == "error":
             exc = outcome.exception
             message = str(exc) if exc is not None else (outcome.error or "")
@@ -214,6 +227,13 @@ class WorkflowRunner:
             learn(self.calibrator, wf.name, record.run_id)
         result.acceptance = self.acceptance_summary(record.run_id)
         return result
+
+    def audit_verify(self, run_id: str, *, signer: Any = None) -> AuditVerdict:
+        """Verify the run's hash chain and seal (:func:`elesium.graphs.audit_chain.verify_run`) with
+        this runner's key prefixes. Raises KeyError for an unknown run."""
+        return verify_run(self.runs.client, run_id, registry=self.runs, cp_prefix=self.saver.prefix,
+                          acceptance=self.log, signer=signer,
+                          chain=AuditChain(self.runs.client, prefix=f"{self.prefix}:audit"))
 
     def acceptance_summary(self, run_id: str) -> dict[str, Any]:
         """Whole-run and per-node tau, tokens and LLM calls, from the run's acceptance stream."""

@@ -18,6 +18,7 @@ Keys (``P = <prefix>:``, ``{T}`` the thread's hash tag, the checkpointer's)::
     P run-thread:<rid>      string the run's thread (so a run is found by its id alone)
     P tenant-threads:<t>    zset   thread ids of tenant t, score = creation ms (live threads only)
     P retained-threads      zset   deleted threads kept for audit, score = when their retention ends
+    P retained-runs         zset   deleted runs kept for audit (their thread live), score = likewise
     P audit-events:<t>      stream tenant t's audit events (deletions, purges, legal holds): append-only
 
 Deleting a thread through the API marks it deleted (status ``deleted``, ``deleted_ms``,
@@ -25,6 +26,12 @@ Deleting a thread through the API marks it deleted (status ``deleted``, ``delete
 stay for audit until purged (:meth:`ThreadStore.claim_purge`, then :meth:`ThreadStore.delete_thread`).
 A legal hold (``legal_hold``) refuses the purge; a thread being purged (status ``purging``) refuses a
 new hold, so the two cannot interleave.
+
+Deleting one run works the same way (:meth:`ThreadStore.mark_run_deleted`): the run row gets
+``deleted_ms`` / ``deleted_by`` / ``purge_after_ms`` (its status, how it ended, is kept), normal reads
+(:meth:`ThreadStore.get_run`, :meth:`ThreadStore.list_runs`) skip it, and it stays in its thread's run
+index, so a purge of the thread erases it with the others; an expired one is purged alone
+(:meth:`ThreadStore.retained_runs_due`, then :meth:`ThreadStore.delete_run`) unless its thread is held.
 
 Thread ids are per tenant. A thread is stored under the id its client chose unless another tenant
 already holds that id; then it is stored under ``<id>\x1f<tenant>`` (see :func:`scoped_id`), so
@@ -112,6 +119,13 @@ class RunRow(BaseModel):
     checkpoints: list[str] = Field(default_factory=list)  # checkpoint ids this run wrote, in order
     error: str | None = None
     idempotency: str | None = None  # "<digest of the request>" when created with an Idempotency-Key
+    deleted_ms: int | None = None  # set when deleted: kept for audit, invisible to normal reads
+    deleted_by: str | None = None
+    purge_after_ms: int | None = None  # when its retention ends (its thread's legal hold keeps it past)
+
+    @property
+    def deleted(self) -> bool:
+        return self.deleted_ms is not None
 
 
 _JSON_FIELDS = {"metadata", "request", "fingerprint", "checkpoints", "legal_hold"}
@@ -169,6 +183,19 @@ if cur == 'busy' then return -1 end
 if cur == 'deleted' or cur == 'purging' then return -2 end
 redis.call('HSET', KEYS[1], 'status', 'deleted', 'deleted_ms', ARGV[1], 'purge_after_ms', ARGV[2],
            'deleted_by', ARGV[3], 'updated_ms', ARGV[1])
+return 1
+"""
+
+# KEYS: run hash. ARGV: now ms, purge-after ms, by. Marks a finished run deleted: 1 done, 0 missing,
+# -1 pending or running, -2 already deleted.
+_MARK_RUN_DELETED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local cur = redis.call('HGET', KEYS[1], 'status') or 'pending'
+if cur == 'pending' or cur == 'running' then return -1 end
+local gone = redis.call('HGET', KEYS[1], 'deleted_ms')
+if gone and gone ~= 'null' then return -2 end
+redis.call('HSET', KEYS[1], 'deleted_ms', ARGV[1], 'purge_after_ms', ARGV[2], 'deleted_by', ARGV[3],
+           'updated_ms', ARGV[1])
 return 1
 """
 
@@ -359,6 +386,35 @@ class ThreadStore:
             raw = self.client.hgetall(self.thread_key(thread_id))
         return _from_hash(ThreadRow, raw) if raw else None
 
+    def mark_run_deleted(self, run_id: str, *, by: str, purge_after_ms: int) -> int:
+        """Mark a finished run deleted, kept for audit until ``purge_after_ms``: 1 done, 0 missing,
+        -1 pending or running, -2 already deleted. Indexed as retained first (a crash leaves an entry
+        the sweep skips, as the run is not deleted)."""
+        key = self._r(run_id)
+        if key is None:
+            return 0
+        retained = self._k("retained-runs", "all")
+        with self._guard():
+            added = self.client.zadd(retained, {run_id: purge_after_ms}, nx=True)
+            done = int(self.client.eval(_MARK_RUN_DELETED, 1, key, str(now_ms()), str(purge_after_ms), by))
+            if done == 1:
+                self.client.zadd(retained, {run_id: purge_after_ms})
+            elif added:
+                self.client.zrem(retained, run_id)
+        return done
+
+    def retained_runs_due(self, until_ms: int, limit: int = 100) -> list[str]:
+        """Ids of deleted runs whose retention ended by ``until_ms`` (held threads' included: the
+        caller checks), oldest first."""
+        with self._guard():
+            ids = self.client.zrangebyscore(self._k("retained-runs", "all"), "-inf", until_ms,
+                                            start=0, num=limit)
+        return [i.decode() for i in ids]
+
+    def forget_retained_run(self, run_id: str) -> None:
+        with self._guard():
+            self.client.zrem(self._k("retained-runs", "all"), run_id)
+
     def run_ids(self, thread_id: str) -> list[str]:
         with self._guard():
             return [r.decode() for r in self.client.zrange(self._t(thread_id, "runs"), 0, -1)]
@@ -391,6 +447,8 @@ class ThreadStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.zrem(self._k("tenant-threads", tenant), thread_id)
             pipe.zrem(self._k("retained-threads", "all"), thread_id)
+            if run_ids:
+                pipe.zrem(self._k("retained-runs", "all"), *run_ids)  # runs deleted before the thread
             for rid in run_ids:
                 pipe.delete(self._k("run-thread", rid))
             pipe.execute()
@@ -424,9 +482,14 @@ class ThreadStore:
                                        str(now_ms()), *fields)
         return row if int(created) else None
 
-    def get_run(self, run_id: str, tenant: str, thread_id: str | None = None) -> RunRow | None:
+    def get_run(self, run_id: str, tenant: str, thread_id: str | None = None, *,
+                include_deleted: bool = False) -> RunRow | None:
+        """The tenant's run (on ``thread_id`` when given); a deleted one (kept for audit) is None
+        unless ``include_deleted`` (an auditor's view)."""
         row = self.get_run_any(run_id)
         if row is None or row.tenant != tenant or (thread_id is not None and row.thread_id != thread_id):
+            return None
+        if row.deleted and not include_deleted:
             return None
         return row
 
@@ -449,26 +512,31 @@ class ThreadStore:
             self.client.eval(_UPDATE_IF_PRESENT, 1, key, *[x for kv in row.items() for x in kv])
 
     def list_runs(
-        self, thread_id: str, tenant: str, *, limit: int = 10, offset: int = 0, status: str | None = None
+        self, thread_id: str, tenant: str, *, limit: int = 10, offset: int = 0, status: str | None = None,
+        include_deleted: bool = False,
     ) -> list[RunRow]:
-        """The thread's runs, newest first."""
+        """The thread's runs, newest first; deleted ones (kept for audit) only with ``include_deleted``."""
         with self._guard():
             ids = self.client.zrevrange(self._t(thread_id, "runs"), 0, -1)
             pipe = self.client.pipeline(transaction=False)
             for rid in ids:
                 pipe.hgetall(self._t(thread_id, "run", rid.decode()))
             rows = [_from_hash(RunRow, r) for r in pipe.execute() if r]
-        rows = [r for r in rows if r.tenant == tenant and (status is None or r.status == status)]
+        rows = [r for r in rows if r.tenant == tenant and (status is None or r.status == status)
+                and (include_deleted or not r.deleted)]
         return rows[offset : offset + limit] if limit > 0 else []
 
     def delete_run(self, run_id: str, thread_id: str) -> None:
-        """Drop a finished run's row, calls and replays (its checkpoints belong to the thread)."""
+        """Drop a finished run's row, calls and replays (its checkpoints belong to the thread; its
+        acceptance log and audit chain are the caller's: ``api/retention.purge_run``). The row goes
+        last-but-the-indexes, so a purge that dies half-way is found again by the retention sweep."""
         with self._guard():
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(*(self._t(thread_id, kind, run_id) for kind in ("run", "calls", "replays")))
             pipe.zrem(self._t(thread_id, "runs"), run_id)
             pipe.execute()
             self.client.delete(self._k("run-thread", run_id))
+            self.client.zrem(self._k("retained-runs", "all"), run_id)
         self._threads.pop(run_id, None)
 
     # ---------------------------------------------------------------- thread operations

@@ -320,9 +320,13 @@ async def cancel_run(
 def delete_run(
     thread_id: str, run_id: str, request: Request, who: Principal = Depends(principal)
 ) -> Response:
+    """Delete a finished run: marked deleted and its records kept for audit (retention), or erased
+    now when ``audit_retention_days`` is 0 (:func:`elesium.api.retention.delete_run`)."""
+    from elesium.api import retention
+
     svc = services(request)
     row = svc.run_or_404(thread_id, run_id, who)
     if row.status in ("pending", "running"):
         raise Conflict(f"run {run_id!r} is {row.status}; cancel it first")
-    svc.store.delete_run(run_id, row.thread_id)
+    retention.delete_run(svc, row, who)
     return Response(status_code=204)

@@ -1,4 +1,9 @@
-"""``elesium audit verify RUN_ID``: verify an API run's hash chain and print the verdict.
+"""``elesium audit verify RUN_ID``: verify a run's hash chain and print the verdict.
+
+An API run is found by its run row (``ThreadStore``); any other run (``elesium run`` without
+``--server``, a background run) by its run registry record or its seal under ``--prefix`` (the
+``WorkflowRunner``'s key root, ``elesium`` by default), whose checkpoints, acceptance stream and chain
+keys are then read.
 
 Reads the run's records from Redis directly (operators with the Redis credentials see every
 tenant's runs), recomputes every digest and link, and checks the seal's signature with the key this
@@ -23,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--json", action="store_true", help="print the whole verdict as JSON")
     v.add_argument("--redis-url", default=None, help="Redis/Valkey URL (default: $REDIS_URL, else the "
                    "embedded Valkey)")
+    v.add_argument("--prefix", default="elesium", help="key root of runs made without --server (the "
+                   "WorkflowRunner's; default: elesium)")
     v.set_defaults(handler=run)
 
 
@@ -30,14 +37,24 @@ def run(args: argparse.Namespace) -> int:
     from elesium.cli.errors import CliError
     from elesium.graphs.audit_chain import verify_run
     from elesium.state import connect, default_url
-    from elesium.state.audit_chain import signer_for
+    from elesium.state.acceptance_log import AcceptanceLog
+    from elesium.state.audit_chain import AuditChain, signer_for
+    from elesium.state.runs import RunRegistry
     from elesium.state.threads import ThreadStore
 
     settings = settings_from_args(args)
     url = default_url(settings)
     client = connect(url)
+    store, signer = ThreadStore(client), signer_for(settings)
     try:
-        verdict = verify_run(client, args.run_id, store=ThreadStore(client), signer=signer_for(settings))
+        if store.get_run_any(args.run_id) is not None:  # an API run
+            verdict = verify_run(client, args.run_id, store=store, signer=signer)
+        else:  # a WorkflowRunner run (elesium run without --server, a background run)
+            prefix = args.prefix
+            verdict = verify_run(client, args.run_id, signer=signer, cp_prefix=f"{prefix}:cp",
+                                 registry=RunRegistry(client, prefix=f"{prefix}:runs"),
+                                 acceptance=AcceptanceLog(client, prefix=f"{prefix}:acc"),
+                                 chain=AuditChain(client, prefix=f"{prefix}:audit"))
     except KeyError:
         raise CliError(f"no run {args.run_id!r} in {url}") from None
     if args.json:
