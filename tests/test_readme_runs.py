@@ -226,3 +226,15 @@ def test_a_plain_serve_starts_answers_and_stops_with_its_valkey(default_engine: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bench_state_writes_its_figures(tmp_path: Path) -> None:
+    """``elesium bench-state`` as the CLI table lists it (a short run): both savers timed, JSON written."""
+    elesium = Path(sys.executable).parent / "elesium"
+    done = subprocess.run([str(elesium), "bench-state", "--steps", "30", "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=_environment(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RedisSaver/sync" in done.stdout and "InMemorySaver/sync" in done.stdout
+    figures = json.loads((tmp_path / "out" / "state_bench.json").read_text())
+    assert figures and not _servers_under(tmp_path / "data"), "bench-state left its Valkey running"
