@@ -216,11 +216,11 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
 
     from fastapi import Depends
 
-    from elesium.api.routers import assistants, audit_admin, elesium, openai, ops, runs, threads
+    from elesium.api.routers import assistants, audit_admin, crons, elesium, openai, ops, runs, store, threads
     from elesium.api.routers.common import authorize
 
     # Every route's role (elesium.api.auth.ROUTE_ROLES) is checked by this one dependency.
-    for module in (ops, assistants, threads, runs, elesium, openai, audit_admin):
+    for module in (ops, assistants, threads, crons, runs, store, elesium, openai, audit_admin):
         app.include_router(module.router, dependencies=[Depends(authorize)])
     from elesium.api.console import mount as console  # the audit console at /console (its own login)
     app.router.routes.append(console)

@@ -118,6 +118,7 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     # health: public
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/readyz"): PUBLIC,
+    ("GET", "/info"): PUBLIC,  # as on the LangGraph Platform (Studio connects with it); no tenant data
     # reads
     ("GET", "/metrics"): "reader",
     ("GET", "/v1/models"): "reader",
@@ -129,6 +130,12 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     ("GET", "/assistants/{assistant_id}/graph"): "reader",
     ("GET", "/assistants/{assistant_id}/subgraphs"): "reader",
     ("POST", "/assistants/{assistant_id}/versions"): "reader",
+    ("GET", "/assistants/{assistant_id}/subgraphs/{namespace}"): "reader",
+    ("GET", "/store/items"): "reader",
+    ("POST", "/store/items/search"): "reader",
+    ("POST", "/store/namespaces"): "reader",
+    ("POST", "/runs/crons/search"): "reader",
+    ("POST", "/runs/crons/count"): "reader",
     ("POST", "/threads/search"): "reader",
     ("POST", "/threads/count"): "reader",
     ("GET", "/threads/{thread_id}"): "reader",
@@ -151,6 +158,12 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     ("POST", "/threads/{thread_id}/runs/{run_id}/cancel"): "operator",
     ("DELETE", "/threads/{thread_id}/runs/{run_id}"): "operator",
     ("POST", "/v1/chat/completions"): "operator",
+    ("PUT", "/store/items"): "operator",
+    ("DELETE", "/store/items"): "operator",
+    ("POST", "/runs/crons"): "operator",  # a cron starts runs: its creator needs what starting one needs
+    ("POST", "/threads/{thread_id}/runs/crons"): "operator",
+    ("PATCH", "/runs/crons/{cron_id}"): "operator",
+    ("DELETE", "/runs/crons/{cron_id}"): "operator",
     # run creation: operator or approver here; the request then needs approver for command.resume,
     # operator otherwise (Services.prepare_run)
     ("POST", "/threads/{thread_id}/runs"): _RUN_CREATION,

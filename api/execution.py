@@ -167,7 +167,7 @@ class Services:
     def run_or_404(self, thread_id: str, run_id: str, who: Principal) -> RunRow:
         """The caller's run on that thread (the thread checked first, so it is settled if stale)."""
         thread = self.thread_or_404(thread_id, who)
-        row = self.store.get_run(run_id, who.tenant, thread.thread_id)
+        row = self.store.get_run(run_id, who.tenant, thread.thread_id, include_deleted=who.audit_view)
         if row is None:
             raise NotFound.of("run", run_id)
         return row
@@ -420,8 +420,6 @@ class Services:
             self.metrics.generated_tokens.inc(len(call.token_ids))
             self.metrics.prompt_tokens.inc(call.prompt_tokens)
         self.metrics.observe_steps([rec for _, rec in tap.steps])
-        nodes = list(dict.fromkeys(c.node for c in tap.calls))
-        self.tracing.run_spans(row.workflow, row.run_id, row.thread_id, tap.calls, nodes)
 
     def _forget_old_channels(self, keep_s: float = 600.0) -> None:
         """Drop event channels of runs that ended more than ``keep_s`` ago (a late ``join`` then reads the

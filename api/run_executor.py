@@ -22,7 +22,7 @@ call decodes the same tokens the dead attempt would have.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elesium.graphs.audit_chain import open_run_audit
 from elesium.graphs.execution import (
@@ -42,6 +42,9 @@ from elesium.graphs.execution import (
 from elesium.state.acceptance_log import Retention
 from elesium.state.queue import Lease, LeaseLostError, RunCancelledError, RunTimeoutError
 from elesium.state.threads import public_id
+
+if TYPE_CHECKING:
+    from elesium.api.tracing import RunTrace
 
 log = logging.getLogger("elesium.api")
 
@@ -72,6 +75,17 @@ class ApiRunExecutor:
         row = svc.store.get_run_any(run_id)
         if row is None:
             raise ValueError(f"run {run_id!r} is queued but has no run row")
+        # The run's trace (tracing on): its span from here until its outcome is recorded, a span per node
+        # execution and per LLM call (api/tracing.py). None when tracing is off.
+        with svc.tracing.run(row.workflow, run_id=run_id, thread_id=public_id(row.thread_id),
+                             version=row.workflow_version, attempt=lease.attempt) as trace:
+            status = self._execute(row, lease, trace)
+            if trace is not None:
+                trace.outcome(status)
+            return status
+
+    def _execute(self, row: Any, lease: Lease, trace: RunTrace | None) -> str:
+        svc, run_id = self.svc, row.run_id
         try:
             wf = svc.registry.get(row.workflow, row.workflow_version)
         except KeyError:
@@ -91,7 +105,8 @@ class ApiRunExecutor:
 
         publish("metadata",
                 {"run_id": run_id, "thread_id": public_id(row.thread_id), "attempt": lease.attempt})
-        tap = RunEngine(svc.engine, on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
+        tap = RunEngine(svc.engine if trace is None else trace.engine(svc.engine),
+                        on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
         unregister = lease.on_abort(tap.cancel)
         modes = row.request.get("stream_mode") or ["values"]
         graph = wf.build(svc.metrics.timed_checkpoints(lease.saver()))
@@ -102,6 +117,8 @@ class ApiRunExecutor:
             # holds them), so its remaining calls build the trees the dead attempt would have.
             calibrator=svc.calibrator, calibrations=recorded_calibrations(svc.runs_registry, run_id),
         )
+        if trace is not None:
+            config["callbacks"] = trace.callbacks  # a span per node execution, on the task's own thread
         point = resume_point(graph, config, run_id)
         # The run's hash chain (a retried attempt continues it): chained per super-step, sealed at the end.
         audit = open_run_audit(svc.store.client, thread_id=row.thread_id, run_id=run_id, store=svc.store,
@@ -113,12 +130,15 @@ class ApiRunExecutor:
         svc.registry_status(run_id, "running")
         try:
             # "done": an earlier attempt finished (or reached an interrupt) and died before recording it.
+            emit = _emitter(publish, modes)
             outcome = outcome_now(graph, row.thread_id) if point == "done" else drive(
                 graph, None if resuming else command_from(row.request), config,
-                emit=_emitter(publish, modes), cancelled=tap.cancelled,
+                emit=emit, cancelled=tap.cancelled,
                 stream_modes=tuple(dict.fromkeys("messages" if m == "messages-tuple" else m for m in modes)),
                 audit=audit,
             )
+            if outcome.status != "error":
+                emit.flush()  # the last message ended with the run (messages/complete)
             if point == "done" and audit is not None:
                 audit.seal(outcome.status)
             if outcome.status == "error":
@@ -164,26 +184,94 @@ def config_log(config: Any) -> Any:
     return config["configurable"]["elesium"].log
 
 
-def _emitter(publish: Any, modes: list[str]) -> Any:
-    """The graph's stream parts as the protocol's SSE events (``messages`` split into metadata and
-    partial messages, ``messages-tuple`` passed as pairs)."""
-    seen: set[str] = set()
+def _is_chunk(message: dict[str, Any]) -> bool:
+    return "chunk" in str(message.get("type", "")).lower()
 
-    def emit(mode: str, chunk: Any) -> None:
-        if mode == "messages":
-            message, meta = chunk if isinstance(chunk, list) and len(chunk) == 2 else (chunk, {})
-            if "messages-tuple" in modes:
-                publish("messages", [message, meta])
-            if "messages" in modes:
-                mid = str(message.get("id", "")) if isinstance(message, dict) else ""
-                if mid not in seen:
-                    seen.add(mid)
-                    publish("messages/metadata", {mid: {"metadata": meta}})
-                publish("messages/partial", [message])
+
+def _merged(acc: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """``acc + part`` as LangChain adds AIMessageChunks: content concatenated, lists appended, the latest
+    non-empty value of every other field."""
+    out = dict(acc)
+    for field, value in part.items():
+        have = out.get(field)
+        if field == "content" and isinstance(have, str) and isinstance(value, str):
+            out[field] = have + value
+        elif field == "response_metadata" and isinstance(have, dict) and isinstance(value, dict):
+            meta = dict(have)
+            for k, v in value.items():
+                meta[k] = meta[k] + v if isinstance(meta.get(k), list) and isinstance(v, list) else v
+            out[field] = meta
+        elif isinstance(have, list) and isinstance(value, list):
+            out[field] = have + value
+        elif value not in (None, "", {}, []):
+            out[field] = value
+    return out
+
+
+def _completed(message: dict[str, Any]) -> dict[str, Any]:
+    """The accumulated chunk as the whole message (``type: "ai"``), what ``messages/complete`` carries."""
+    done = {k: v for k, v in message.items() if k not in ("tool_call_chunks", "chunk_position")}
+    if _is_chunk(message):
+        done["type"] = "ai"
+    return done
+
+
+class _Emitter:
+    """The graph's stream parts as the protocol's SSE events, with the Platform's ``messages`` semantics:
+
+    * ``messages``: ``messages/metadata`` once per message id (``{id: {"metadata": ...}}``), then
+      ``messages/partial`` per token chunk whose data is the *whole message so far* (``[chunk]``: the
+      AIMessageChunk accumulated from the first token, content included), then ``messages/complete``
+      with the final message when it ends: when the next message starts, when the graph streams its
+      next non-token part (the node's ``updates``/``values``), at the end of the run (:meth:`flush`),
+      or when the graph streams a whole (non-chunk) message, which is complete as it comes;
+    * ``messages-tuple``: LangGraph's own ``stream_mode="messages"`` pairs ``[chunk, metadata]``, one
+      per token chunk, as ``messages`` events.
+    """
+
+    def __init__(self, publish: Any, modes: list[str]) -> None:
+        self.publish, self.modes = publish, modes
+        self.seen: set[str] = set()
+        self.open: dict[str, dict[str, Any]] = {}  # message id -> accumulated chunk, not yet complete
+
+    def __call__(self, mode: str, chunk: Any) -> None:
+        if mode != "messages":
+            if mode != "custom":  # custom parts interleave with a node's tokens; anything else follows them
+                self.flush()
+            self.publish(mode, chunk)
             return
-        publish(mode, chunk)
+        message, meta = chunk if isinstance(chunk, list) and len(chunk) == 2 else (chunk, {})
+        if "messages-tuple" in self.modes:
+            self.publish("messages", [message, meta])
+        if "messages" not in self.modes or not isinstance(message, dict):
+            return
+        mid = str(message.get("id") or "")
+        for other in [m for m in self.open if m != mid]:
+            self._complete(other)
+        if mid not in self.seen:
+            self.seen.add(mid)
+            self.publish("messages/metadata", {mid: {"metadata": meta}})
+        if _is_chunk(message):
+            self.open[mid] = _merged(self.open[mid], message) if mid in self.open else dict(message)
+            self.publish("messages/partial", [self.open[mid]])
+        else:
+            self.open.pop(mid, None)
+            self.publish("messages/complete", [message])
 
-    return emit
+    def _complete(self, mid: str) -> None:
+        message = self.open.pop(mid, None)
+        if message is not None:
+            self.publish("messages/complete", [_completed(message)])
+
+    def flush(self) -> None:
+        """Complete every message still open (the run ended, or its node moved on)."""
+        for mid in list(self.open):
+            self._complete(mid)
+
+
+def _emitter(publish: Any, modes: list[str]) -> _Emitter:
+    """The emitter of a run's stream parts (see :class:`_Emitter`)."""
+    return _Emitter(publish, modes)
 
 
 class Dispatcher:

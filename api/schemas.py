@@ -139,6 +139,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -151,7 +154,11 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """``/v1/chat/completions``'s body. Keys not declared here land in ``model_extra`` and are judged
+    by :func:`elesium.api.chat_completions.prepare`: harmless ones (``user``, ``metadata``...) are
+    accepted, every other one answers 400 naming it, so nothing is silently ignored."""
+
+    model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -164,8 +171,12 @@ class ChatCompletionRequest(BaseModel):
                        "sampling parameter, sent by the OpenAI SDK through extra_body")
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
     mode: Literal["vanilla", "speculative", "medusa", "typical"] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod

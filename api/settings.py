@@ -81,9 +81,16 @@ class ApiSettings:
             (0: never by itself; ``Services.purge_expired`` / ``POST /elesium/audit/purge-expired``).
         auth: False only for local use (``--no-auth``); every request is then tenant ``default``.
         redis_url: state server (None: ``REDIS_URL``, else the embedded Valkey).
-        max_body_bytes: larger request bodies answer 413 before they are parsed.
-        max_prompt_tokens: larger chat prompts answer 400 (the context must also hold the reply).
-        max_tokens_cap: upper bound of ``max_tokens`` on /v1/chat/completions.
+        max_body_bytes: larger request bodies answer 413 before they are parsed
+            (``ELESIUM_MAX_BODY_BYTES``, ``serve --max-body-bytes``; default 256,000).
+        max_prompt_tokens: a server limit on /v1/chat/completions prompts (``ELESIUM_MAX_PROMPT_TOKENS``,
+            ``serve --max-prompt-tokens``). None (the default; 0 in the environment): no limit of its
+            own, so a prompt may use the model's context less the request's ``max_tokens``, the room
+            the reply needs, which applies in any case. The smaller of the two is the one enforced
+            and the one a refusal names.
+        max_tokens_cap: upper bound of ``max_tokens`` on /v1/chat/completions (``ELESIUM_MAX_TOKENS_CAP``,
+            ``serve --max-tokens-cap``; default 1,024): bounds how long one request holds the engine,
+            which serves every run and chat in FIFO order.
         otel_exporter: "none" (default), "console" or "otlp".
         model_name: the id /v1/models reports for the loaded model.
         queue_name: the durable run queue this server's runs go to (its workers and ``elesium worker
@@ -108,7 +115,7 @@ class ApiSettings:
     auth: bool = True
     redis_url: str | None = None
     max_body_bytes: int = 256_000
-    max_prompt_tokens: int = 1536
+    max_prompt_tokens: int | None = None
     max_tokens_cap: int = 1024
     otel_exporter: str = "none"
     model_name: str = "elesium-smollm2-135m"
@@ -149,6 +156,9 @@ class ApiSettings:
             otel_exporter=exporter,
             self_tuning=env_flag("ELESIUM_SELF_TUNING"),
             audit_retention_days=retention,
+            max_body_bytes=env_int("ELESIUM_MAX_BODY_BYTES", cls.max_body_bytes),
+            max_prompt_tokens=env_int("ELESIUM_MAX_PROMPT_TOKENS", 0) or None,
+            max_tokens_cap=env_int("ELESIUM_MAX_TOKENS_CAP", cls.max_tokens_cap, minimum=1),
         )
 
 
@@ -163,6 +173,21 @@ def env_number(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r}: use a number >= 0") from None
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{name}={raw!r}: use a number >= 0")
+    return value
+
+
+def env_int(name: str, default: int, *, minimum: int = 0) -> int:
+    """A whole number >= ``minimum`` from the environment (``default`` when unset); anything else is an
+    error naming the variable."""
+    raw = os.environ.get(name, "").strip().replace("_", "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: use a whole number >= {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: use a whole number >= {minimum}")
     return value
 
 

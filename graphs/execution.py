@@ -137,6 +137,21 @@ def _graph_position() -> tuple[str, int | None, str]:
             str(meta.get("langgraph_checkpoint_ns", "")))
 
 
+def _run_context() -> Any:
+    """The :class:`~elesium.graphs.context.RunContext` of the LangGraph task running on this thread, or
+    None (outside a graph, or a graph run without ``run_config``)."""
+    from langgraph.config import get_config
+
+    from elesium.graphs.context import CONTEXT_KEY, RunContext
+
+    try:
+        config = get_config()
+    except RuntimeError:
+        return None
+    ctx = (config.get("configurable") or {}).get(CONTEXT_KEY)
+    return ctx if isinstance(ctx, RunContext) else None
+
+
 UNTAGGED_STEP_STRIDE = 1000
 """Call index of an untagged call (``ChatElesium`` inside a node): super-step × this + its order within
 the task. Both survive a crash (a resumed run re-runs the unfinished task at the same step from its
@@ -196,6 +211,14 @@ class RunEngine:
         if self.cancelled.is_set():
             raise RunCancelled("the run was cancelled")
         tag = request.tag or self._untagged()
+        # An untagged call (``ChatElesium`` inside a node) gets what ``llm_node`` does for itself: a seed
+        # derived from the run seed and its (node, index), and its entries in the acceptance log.
+        ctx = _run_context() if request.tag is None else None
+        if ctx is not None and request.sampling.seed is None:
+            from elesium.graphs.seeds import derive_seed
+
+            request = dataclasses.replace(request, sampling=dataclasses.replace(
+                request.sampling, seed=derive_seed(ctx.seed, tag.node, tag.index)))
         ids = self.engine.encode_prompt(request.prompt, raw=request.raw)
         digest = prompt_digest(ids)
         if self._recorded is not None:
@@ -212,8 +235,11 @@ class RunEngine:
             if on_step is not None:
                 on_step(record)
 
-        inner = self.engine.start(dataclasses.replace(request, prompt=ids, raw=True), on_step=hook)
+        # The tag goes along (engines ignore it): a traced engine (api/tracing.py) labels its span with it.
+        inner = self.engine.start(dataclasses.replace(request, prompt=ids, raw=True, tag=tag), on_step=hook)
         handle = _RecordingHandle(self, tag, inner, None, digest, len(ids))
+        if ctx is not None and ctx.log is not None:
+            handle.log_to = (ctx.log, ctx.run_id, ids, request.sampling.temperature)
         with self._lock:
             self._open.add(handle)
         if self.cancelled.is_set():  # cancelled while it started: do not leave it holding the engine
@@ -293,6 +319,7 @@ class _RecordingHandle:
                  digest: str, n_prompt: int) -> None:
         self.owner, self.tag, self.inner, self.rec = owner, tag, inner, rec
         self.digest, self.n_prompt = digest, n_prompt
+        self.log_to: tuple[Any, str, list[int], float] | None = None  # (acceptance log, run id, prompt, T)
         self._result: Generation | None = None
         self._iter = self._run()
 
@@ -343,6 +370,12 @@ class _RecordingHandle:
                 owner._finished(self, None)
         gen = self.inner.result
         self._result = gen
+        if self.log_to is not None:
+            from elesium.graphs.audit import record_call
+
+            log, run_id, prompt_ids, temperature = self.log_to
+            record_call(log, run_id, tag.node, tag.index, int(gen.seed), gen, prompt_ids=prompt_ids,
+                        temperature=temperature)
         owner._finished(self, LLMCall(
             node=tag.node, call=tag.index, seed=int(gen.seed), mode=str(gen.mode),
             prompt_sha256=self.digest, prompt_tokens=gen.prompt_tokens, token_ids=list(gen.token_ids),

@@ -59,6 +59,10 @@ PER_RESOURCE: dict[Route, dict[str, Any] | None] = {
     ("POST", "/threads/{thread_id}/purge"): None,
     ("PUT", "/threads/{thread_id}/legal-hold"): {"reason": "tenant walk"},
     ("DELETE", "/threads/{thread_id}/legal-hold"): None,
+    # crons (issue 39): on A's thread, and A's cron by its id
+    ("POST", "/threads/{thread_id}/runs/crons"): {**_RUN_BODY, "schedule": "0 0 1 1 *"},
+    ("PATCH", "/runs/crons/{cron_id}"): {"metadata": {"owner": "b"}},
+    ("DELETE", "/runs/crons/{cron_id}"): None,
 }
 # Per-resource routes whose ids besides the thread's (a run id in the path, a checkpoint id in the
 # body) are walked a second time on B's *own* thread: A's run or checkpoint must be as missing there too.
@@ -88,6 +92,7 @@ MIXED = {
 SHARED: dict[Route, dict[str, Any] | None] = {
     ("GET", "/healthz"): None,
     ("GET", "/readyz"): None,
+    ("GET", "/info"): None,
     ("GET", "/metrics"): None,
     ("GET", "/v1/models"): None,
     ("GET", "/elesium/whoami"): None,
@@ -98,6 +103,11 @@ SHARED: dict[Route, dict[str, Any] | None] = {
     ("GET", "/assistants/{assistant_id}/graph"): None,
     ("GET", "/assistants/{assistant_id}/subgraphs"): None,
     ("POST", "/assistants/{assistant_id}/versions"): None,
+    ("GET", "/assistants/{assistant_id}/subgraphs/{namespace}"): None,
+    ("POST", "/store/items/search"): {},
+    ("POST", "/store/namespaces"): {},
+    ("POST", "/runs/crons/search"): {},
+    ("POST", "/runs/crons/count"): {},
     ("POST", "/threads/search"): {"limit": 1000},
     ("POST", "/threads/count"): {},
     ("GET", "/elesium/audit/events"): None,
@@ -114,6 +124,12 @@ CREATES_OWN: set[Route] = {
     ("POST", "/runs/wait"),
     ("POST", "/runs/stream"),
     ("POST", "/v1/chat/completions"),
+    # the store is per tenant and keyed by (namespace, key), not by an id of an object: B's writes and
+    # reads name B's items (test_store_and_crons_are_per_tenant); a stateless cron is B's own
+    ("PUT", "/store/items"),
+    ("GET", "/store/items"),
+    ("DELETE", "/store/items"),
+    ("POST", "/runs/crons"),
 }
 
 
@@ -144,7 +160,10 @@ def owned(api_server) -> dict[str, str]:
     b_tid = b.threads.create(metadata={"owner": "b"})["thread_id"]
     b.runs.wait(b_tid, "summary", input={"topic": "cumin"})
     assistant = a.assistants.search(graph_id="summary")[0]["assistant_id"]
-    return {"thread_id": tid, "run_id": rid, "checkpoint_id": cid, "idem_run": idem_run,
+    cron = a.crons.create_for_thread(tid, "summary", schedule="0 0 1 1 *", input={"topic": "nutmeg"},
+                                     enabled=False)  # disabled: never fires
+    return {"thread_id": tid, "run_id": rid, "checkpoint_id": cid, "cron_id": cron["cron_id"],
+            "idem_run": idem_run,
             "stateless_run": stateless_run, "stateless_thread": stateless_thread, "b_thread": b_tid,
             "assistant_id": assistant}
 
@@ -240,7 +259,7 @@ def test_every_route_is_classified(api_server):
 
 
 def test_every_route_with_another_tenants_ids_is_404_and_writes_nothing(api_server, owned):
-    a_ids = {k: owned[k] for k in ("thread_id", "run_id", "checkpoint_id")}
+    a_ids = {k: owned[k] for k in ("thread_id", "run_id", "checkpoint_id", "cron_id")}
     missing = {k: str(uuid.uuid4()) for k in a_ids}
     r = api_server.redis()
     before = settled_snapshot(r)
@@ -379,6 +398,31 @@ def test_idempotency_key_reuse_across_tenants(api_server, owned):
         again = a.post("/runs/wait", json={"assistant_id": "summary", "input": {"topic": "thyme"}},
                        headers={"Idempotency-Key": "stateless-key"})
         assert again.status_code == 200 and owned["stateless_run"] in again.headers["content-location"]
+
+
+def test_store_and_crons_are_per_tenant(api_server, owned):
+    """B's store reads and writes name B's items only: A's item is missing for B (the same 404 as an item
+    that never existed), B's delete of it deletes nothing, B's put of the same (namespace, key) is B's own
+    item. A's cron is in no search or count of B's."""
+    item = {"namespace": ["walk", "notes"], "key": "k"}
+    with api_server.http(KEY_A) as a:
+        assert a.put("/store/items", json={**item, "value": {"owner": "a"}}).status_code == 204
+    query = {"namespace": "walk.notes", "key": "k"}
+    with api_server.http(KEY_B) as b:
+        foreign = b.get("/store/items", params=query)
+        absent = b.get("/store/items", params={**query, "key": "never"})
+        assert foreign.status_code == absent.status_code == 404
+        assert foreign.json()["detail"].replace("'k'", "'never'") == absent.json()["detail"]
+        assert b.request("DELETE", "/store/items", json=item).status_code == 204
+        assert b.post("/store/items/search", json={"namespace_prefix": ["walk"]}).json() == {"items": []}
+        assert b.post("/store/namespaces", json={}).json()["namespaces"] == []
+        assert b.put("/store/items", json={**item, "value": {"owner": "b"}}).status_code == 204
+        assert b.get("/store/items", params=query).json()["value"] == {"owner": "b"}
+        assert owned["cron_id"] not in b.post("/runs/crons/search", json={"limit": 1000}).text
+        assert b.post("/runs/crons/count", json={"thread_id": owned["thread_id"]}).json() == 0
+    with api_server.http(KEY_A) as a:
+        assert a.get("/store/items", params=query).json()["value"] == {"owner": "a"}
+        assert owned["cron_id"] in a.post("/runs/crons/search", json={"limit": 1000}).text
 
 
 def test_chat_completion_writes_nothing(api_server, owned):

@@ -58,12 +58,55 @@ def _call(node: str, call: int, tokens: list[int]) -> LLMCall:
     )
 
 
+class _OneGeneration:
+    """A model-free engine: every request yields one chunk, then a 3-token generation."""
+
+    def start(self, request, *, on_step=None):
+        from elesium.inference.records import Chunk, Generation
+
+        class Handle:
+            result = None
+
+            def __iter__(self):
+                yield Chunk("x", (1, 2, 3))
+                self.result = Generation(text="x", token_ids=(1, 2, 3), prompt_tokens=9,
+                                         finish_reason="length", mode="vanilla", seed=1, elapsed_s=0.001)
+
+            def close(self):
+                pass
+
+        return Handle()
+
+
 def test_trace_spans_per_run_node_and_llm_call():
+    """Spans are opened as the graph runs: run, then each node on its task thread, then its LLM call."""
+    from langgraph.graph import END, START, StateGraph
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from typing_extensions import TypedDict
+
+    from elesium.inference.types import CallTag, GenerationRequest, generate
+
+    class State(TypedDict, total=False):
+        x: int
+        y: int
 
     exporter = InMemorySpanExporter()
     tracing = Tracing(model="smol", span_exporter=exporter)
-    tracing.run_spans("triage", "run-1", "thread-1", [_call("draft", 0, [1, 2, 3])], ["draft", "route"])
+    with tracing.run("triage", run_id="run-1", thread_id="thread-1") as trace:
+        engine = trace.engine(_OneGeneration())
+
+        def draft(state: State) -> State:
+            generate(engine, GenerationRequest("hi", tag=CallTag("draft", 0)))
+            return {"x": 1}
+
+        builder = StateGraph(State)
+        builder.add_node("draft", draft)
+        builder.add_node("route", lambda state: {"y": 2})
+        builder.add_edge(START, "draft")
+        builder.add_edge("draft", "route")
+        builder.add_edge("route", END)
+        builder.compile().invoke({}, {"callbacks": trace.callbacks})
+        trace.outcome("succeeded")
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {
         "invoke_workflow triage",
@@ -77,8 +120,10 @@ def test_trace_spans_per_run_node_and_llm_call():
         chat.attributes["gen_ai.usage.input_tokens"] == 9
         and chat.attributes["gen_ai.usage.output_tokens"] == 3
     )
+    assert (chat.attributes["elesium.call.node"], chat.attributes["elesium.call.index"]) == ("draft", 0)
     assert chat.parent.span_id == spans["langgraph.node draft"].context.span_id
     assert spans["langgraph.node draft"].parent.span_id == spans["invoke_workflow triage"].context.span_id
+    assert spans["invoke_workflow triage"].attributes["elesium.run.status"] == "succeeded"
     assert Tracing("none").tracer is None
 
 

@@ -64,16 +64,28 @@ def get_schemas(assistant_id: str, request: Request, who: Principal = Depends(pr
 
 @router.get("/assistants/{assistant_id}/graph")
 def get_graph(
-    assistant_id: str, request: Request, xray: bool = False, who: Principal = Depends(principal)
+    assistant_id: str, request: Request, xray: str = "false", who: Principal = Depends(principal)
 ) -> dict[str, Any]:
+    """The graph as drawn by LangGraph; ``xray`` is a bool or a depth, as langgraph-sdk sends it."""
     svc = services(request)
     wf = svc.resolve_assistant(assistant_id)
-    drawable = svc.graph(wf).get_graph(xray=xray)
+    flag = xray.strip().lower()
+    depth: bool | int = int(flag) if flag.isdigit() else flag in ("true", "yes", "on")
+    drawable = svc.graph(wf).get_graph(xray=depth)
     return jsonable(drawable.to_json())
 
 
 @router.get("/assistants/{assistant_id}/subgraphs")
-def get_subgraphs(assistant_id: str, request: Request, who: Principal = Depends(principal)) -> dict[str, Any]:
+def get_subgraphs(assistant_id: str, request: Request, recurse: bool = False,
+                  who: Principal = Depends(principal)) -> dict[str, Any]:
+    """Registered workflows are flat graphs: no subgraphs."""
+    services(request).resolve_assistant(assistant_id)
+    return {}
+
+
+@router.get("/assistants/{assistant_id}/subgraphs/{namespace}")
+def get_subgraphs_at(assistant_id: str, namespace: str, request: Request, recurse: bool = False,
+                     who: Principal = Depends(principal)) -> dict[str, Any]:
     services(request).resolve_assistant(assistant_id)
     return {}
 

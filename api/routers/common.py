@@ -105,7 +105,9 @@ def assistant_json(wf: Any) -> dict[str, Any]:
     }
 
 
-def thread_json(row: ThreadRow, values: Any = None, interrupts: list[Any] | None = None) -> dict[str, Any]:
+def thread_json(row: ThreadRow, values: Any = None,
+                interrupts: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """A thread as the protocol shows it; ``interrupts`` maps a task id to the interrupts it raised."""
     return {
         "thread_id": public_id(row.thread_id),
         "created_at": iso(row.created_ms),
@@ -113,7 +115,7 @@ def thread_json(row: ThreadRow, values: Any = None, interrupts: list[Any] | None
         "metadata": row.metadata,
         "status": row.status,
         "values": values if values is not None else {},
-        "interrupts": {"": interrupts} if interrupts else {},
+        "interrupts": interrupts or {},
     }
 
 

@@ -20,6 +20,28 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/info")
+def info() -> dict[str, Any]:
+    """What the LangGraph Platform's ``GET /info`` answers (LangGraph Studio calls it to connect): the
+    server's version, the LangGraph version it runs, and which optional APIs it serves. Public, as on
+    the Platform; it names no tenant, key or object."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {
+        "version": installed("elesium") or "0.1.0",
+        "langgraph_py_version": installed("langgraph"),
+        "flags": {"assistants": True, "crons": True, "langsmith": False, "langsmith_tracing_replicas": False},
+        "host": {"kind": "self-hosted", "project_id": None, "revision_id": None, "tenant_id": None},
+        "metadata": {"server": "elesium"},
+    }
+
+
 @router.get("/readyz")
 def readyz(request: Request) -> Any:
     svc = services(request)

@@ -27,13 +27,15 @@ from elesium.state.threads import public_id
 router = APIRouter(tags=["threads"])
 
 
-def _values(request: Request, row: Any) -> tuple[Any, list[Any]]:
-    """The thread's current values and pending interrupts (empty before its first run)."""
+def _values(request: Request, row: Any) -> tuple[Any, dict[str, list[Any]]]:
+    """The thread's current values and pending interrupts by the id of the task that raised them, as
+    the Platform's ``Thread.interrupts`` (empty before its first run)."""
     graph = services(request).thread_graph(row)
     if graph is None:
-        return {}, []
+        return {}, {}
     snap = graph.get_state({"configurable": {"thread_id": row.thread_id}})
-    return jsonable(snap.values), [jsonable(i) for i in getattr(snap, "interrupts", ())]
+    interrupts = {t.id: [jsonable(i) for i in t.interrupts] for t in snap.tasks if t.interrupts}
+    return jsonable(snap.values), interrupts
 
 
 @router.post("/threads")

@@ -22,7 +22,7 @@ from elesium.cli.errors import CliError
 from elesium.errors import UserError
 
 COMMANDS = ("generate", "bench", "tune", "train_heads", "eval_heads", "bench_state", "demo", "worker", "run",
-            "resume", "workflows", "serve", "replay", "audit", "fit_classifier", "eval")
+            "resume", "workflows", "serve", "dev", "replay", "audit", "fit_classifier", "eval")
 
 
 __all__ = ["CliError", "build_parser", "dispatch", "is_user_error", "main"]
@@ -69,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def dispatch(args: argparse.Namespace) -> int:
     """Run the command's handler: user errors become one line and exit 1; bugs propagate."""
+    from elesium.cli.tracing import check_exporter
+
     try:
+        check_exporter(getattr(args, "command", None))
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         print("elesium: interrupted", file=sys.stderr)

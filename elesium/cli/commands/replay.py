@@ -13,6 +13,7 @@ import getpass
 import json
 
 from elesium.cli.commands.common import add_model_args, load_engine
+from elesium.cli.projects import add_config_args, registry_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_id")
     p.add_argument("--mode", choices=["reexecute", "recorded"], default="reexecute")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    add_config_args(p)
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -29,11 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from elesium.cli.errors import CliError
     from elesium.graphs import replay as rp
-    from elesium.graphs.workflows import default_registry
     from elesium.state import RedisSaver, RunRegistry, connect, default_url
     from elesium.state.calibrations import CalibrationStore
     from elesium.state.threads import ThreadStore
 
+    registry = registry_from_args(args)
     url = default_url()
     client = connect(url)
     store = ThreadStore(client)
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = rp.replay_stored_run(
             store=store,
-            registry=default_registry(),
+            registry=registry,
             engine=engine,
             saver=RedisSaver(client),
             run_id=args.run_id,

@@ -15,6 +15,7 @@ from typing import Any
 
 from elesium.cli.commands.common import add_model_args, load_engine
 from elesium.cli.errors import CliError
+from elesium.cli.projects import add_config_args, registry_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run on an Elesium server (`elesium serve`) instead of locally, through the SDK",
     )
     remote.add_argument("--api-key", default=None, help="the server's API key (default: $ELESIUM_API_KEY)")
+    add_config_args(p)
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -205,19 +207,18 @@ def run_remote(args: argparse.Namespace, payload: Any) -> int:
 def run(args: argparse.Namespace) -> int:
     from elesium.graphs.registry import UnknownWorkflowError
     from elesium.graphs.runner import WorkflowRunner, validate
-    from elesium.graphs.workflows import default_registry
-
     payload = parse_json_arg(args.input, "--input")
     if args.server:
         return run_remote(args, payload)
+    registry = registry_from_args(args)
     try:
-        workflow = default_registry().get(args.workflow, args.version)
+        workflow = registry.get(args.workflow, args.version)
     except UnknownWorkflowError as exc:
         raise CliError(str(exc)) from None
     validate(
         workflow.input_model, payload, f"invalid input for workflow {workflow.name!r}"
     )  # before any write
     engine = load_engine(args)
-    runner = WorkflowRunner(engine, mode=args.mode)
+    runner = WorkflowRunner(engine, mode=args.mode, registry=registry)
     result = runner.start(workflow, payload, seed=args.seed, on_event=token_printer(args.json))
     return print_result(result, args.json)

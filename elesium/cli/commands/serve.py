@@ -15,14 +15,25 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from elesium.cli.commands.common import add_model_args, load_engine
+from elesium.cli.projects import add_config_args, load_project_env, registry_from_args
+
+if TYPE_CHECKING:
+    from elesium.api.settings import ApiSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the API: LangGraph protocol, /v1/chat/completions, replay, metrics"
     )
+    add_serve_args(p)
+    p.set_defaults(handler=run)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s options (``elesium dev`` takes the same and hands them to the server it restarts)."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument(
@@ -42,8 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--self-tuning", action="store_true",
                    help="API runs use and learn per-node tree calibrations (also ELESIUM_SELF_TUNING=1); "
                    "give every server and worker of a deployment the same setting")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest /v1/chat/completions prompt in tokens (also ELESIUM_MAX_PROMPT_TOKENS; "
+                   "default and 0: the model's context less the request's max_tokens)")
+    p.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="largest max_tokens a chat completion may ask for (also ELESIUM_MAX_TOKENS_CAP; "
+                   "default 1024)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies answer 413 (also ELESIUM_MAX_BODY_BYTES; default 256000)")
+    add_config_args(p)
     add_model_args(p)
-    p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,10 +74,14 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port {args.port} is not a TCP port")
+    limits = (("--max-prompt-tokens", args.max_prompt_tokens, 0),
+              ("--max-tokens-cap", args.max_tokens_cap, 1), ("--max-body-bytes", args.max_body_bytes, 0))
     for flag, value, low in (("--workers", args.workers, 0), ("--run-timeout", args.run_timeout, 0),
-                             ("--lease-ttl", args.lease_ttl, 0.5), ("--grace", args.grace, 0)):
+                             ("--lease-ttl", args.lease_ttl, 0.5), ("--grace", args.grace, 0),
+                             *((f, v, lo) for f, v, lo in limits if v is not None)):
         if value < low:
             raise CliError(f"{flag} must be >= {low:g}, got {value:g}")
+    load_project_env(args)  # a project's env may hold the server's own variables (ELESIUM_API_KEYS, ...)
     try:
         settings = ApiSettings.from_env(auth=not args.no_auth)
     except ValueError as exc:
@@ -66,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     settings.self_tuning = settings.self_tuning or args.self_tuning
     settings.workers, settings.run_timeout_s, settings.queue_name = args.workers, args.run_timeout, args.queue
     settings.lease_ttl_s, settings.shutdown_grace_s = args.lease_ttl, args.grace
+    apply_limit_flags(settings, args)
     if settings.auth and not settings.api_keys:
         raise CliError(
             "no API keys: set ELESIUM_API_KEYS=key=tenant,... or ELESIUM_API_KEYS_FILE, "
@@ -83,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
             f"{len(set(settings.api_keys.values()))} tenant(s)",
             file=sys.stderr,
         )
+    registry = registry_from_args(args)  # the project's graphs, imported before the model loads
+    print(f"elesium serve: graphs: {', '.join(w.name for w in registry.list())}", file=sys.stderr)
     engine = load_engine(args)
-    app = create_app(settings, engine=engine)
+    app = create_app(settings, engine=engine, registry=registry)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found.
     # The default handler would kill the process there, before atexit stops the embedded Valkey (left
     # running, re-parented to PID 1); this one ends it as a normal exit, so atexit runs.
@@ -95,6 +121,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def apply_limit_flags(settings: ApiSettings, args: argparse.Namespace) -> None:
+    """The limit flags given on the command line win over the environment's values."""
+    if args.max_prompt_tokens is not None:
+        settings.max_prompt_tokens = args.max_prompt_tokens or None
+    if args.max_tokens_cap is not None:
+        settings.max_tokens_cap = args.max_tokens_cap
+    if args.max_body_bytes is not None:
+        settings.max_body_bytes = args.max_body_bytes
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

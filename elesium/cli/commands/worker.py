@@ -79,8 +79,10 @@ def make_executor(args: argparse.Namespace, queue: Any) -> Callable[[str, Any], 
     except ValueError as exc:
         raise CliError(str(exc)) from None
     runner = WorkflowRunner(load_engine(args), args.redis_url)
-    services = build_services(ApiSettings(redis_url=args.redis_url, self_tuning=self_tuning), runner.engine,
-                              runner.registry)
+    # Spans of the runs it executes, as `elesium serve` (the variable was checked at startup: cli/tracing.py).
+    otel = os.environ.get("ELESIUM_OTEL_EXPORTER", "").strip().lower() or "none"
+    settings = ApiSettings(redis_url=args.redis_url, self_tuning=self_tuning, otel_exporter=otel)
+    services = build_services(settings, runner.engine, runner.registry)
     return Dispatcher(ApiRunExecutor(services), WorkflowExecutor(runner))
 
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
+from elesium.cli.projects import add_config_args, registry_from_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("workflows", help="list the registered workflows (name, version, input fields)")
     p.add_argument("--json", action="store_true", help="one JSON document with each workflow's input schema")
+    add_config_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from elesium.graphs.workflows import default_registry
-
-    workflows = default_registry().list()
+    workflows = registry_from_args(args).list()
     if args.json:
         print(json.dumps([{**w.summary(), "schema": w.json_schema()["input"]} for w in workflows], indent=2))
         return 0

@@ -1,0 +1,197 @@
+"""A project's ``langgraph.json``: loaded by the CLI's loader, served by the API, run and listed by the CLI.
+
+The example project (``examples/review-reply``: the README's workflow as a module, and a plain LangGraph
+graph calling ChatElesium) is copied into a temporary directory, so the probe it fits on first load is
+written there, never into the repository. The model is the session's float32 engine throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langgraph_sdk import get_sync_client
+
+from api_server import KEY_A, live_server, server_settings
+from elesium.cli import main
+from elesium.graphs.project import GraphWorkflow, find_config, load_project, read_config
+from elesium.graphs.registry import Workflow
+
+pytest_plugins = ["state_fixtures"]
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "review-reply"
+REVIEW = {"product": "kettle", "text": "I love it, best kettle ever!"}
+
+
+@pytest.fixture(scope="module")
+def project(engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The example project copied to a temporary directory; the examples' ``Engine.load()`` (the probe
+    fit) gets the session engine, as the README test does."""
+    from elesium.inference.engine import Engine
+
+    root = tmp_path_factory.mktemp("project") / "review-reply"
+    shutil.copytree(EXAMPLE, root, ignore=shutil.ignore_patterns("review-sentiment.json", "__pycache__"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "load", classmethod(lambda cls, *a, **k: engine))
+        mp.delenv("REVIEW_SUMMARY_MAX_TOKENS", raising=False)
+        yield root / "langgraph.json"
+    os.environ.pop("REVIEW_SUMMARY_MAX_TOKENS", None)
+
+
+def test_the_loader_registers_each_graph_kind(project: Path) -> None:
+    loaded = load_project(project)
+    assert loaded.names == ["review-reply", "review-summary"]
+    assert (project.parent / "review-sentiment.json").exists()  # fitted on first load, in the copy
+    assert os.environ["REVIEW_SUMMARY_MAX_TOKENS"] == "16"  # "env" was applied before the import
+    reply, summary = loaded.registry.get("review-reply"), loaded.registry.get("review-summary")
+    assert type(reply) is Workflow and reply.input_model.__name__ == "Review"
+    assert isinstance(summary, GraphWorkflow) and summary.compiled is not None
+    assert sorted(summary.input_model.model_fields) == ["product", "summary", "text", "words"]
+    assert summary.input_model.model_validate({"text": "x"}).model_dump() == {"text": "x"}  # sent keys only
+    assert load_project(project).registry.get("review-summary").version == summary.version  # stable
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    saver = InMemorySaver()
+    assert summary.build(None).checkpointer is None and summary.build(saver).checkpointer is saver
+    assert find_config(project.parent) == project
+
+
+def test_the_server_runs_both_graphs_with_acceptance_and_identical_replays(
+    project: Path, engine: Any, state_server: Any
+) -> None:
+    registry = load_project(project).registry
+    with live_server(server_settings(state_server.url), engine, registry) as server:
+        client = get_sync_client(url=server.url, api_key=KEY_A)
+        assert {a["graph_id"] for a in client.assistants.search()} == {"review-reply", "review-summary"}
+        http = server.http()
+        for graph in ("review-reply", "review-summary"):
+            thread = client.threads.create()["thread_id"]
+            state = client.runs.wait(thread, graph, input=REVIEW, config={"configurable": {"run_seed": 7}})
+            run = client.runs.list(thread)[0]
+            assert run["status"] == "success", run
+            if graph == "review-reply":
+                module = __import__("review_reply")
+                assert state["reply"] in module.REPLIES[state["sentiment"]]
+            else:
+                assert state["summary"] and state["words"] == len(state["summary"].split())
+            acc = http.get(f"/threads/{thread}/runs/{run['run_id']}/acceptance").json()
+            assert acc["entries"] and acc["summary"]["tau"] > 0, acc  # every LLM call logged its steps
+            report = http.post(f"/threads/{thread}/runs/{run['run_id']}/replay", json={"mode": "reexecute"},
+                               timeout=300).json()
+            assert report["verdict"] == "identical", report
+            assert report["calls_compared"] >= 1
+        bad = http.post("/runs/wait", json={"assistant_id": "review-summary", "input": {"nope": 1}})
+        assert bad.status_code == 422 and "nope" in bad.text
+
+
+@pytest.fixture
+def cli_env(redis_url: str, monkeypatch: pytest.MonkeyPatch, engine: Any) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setattr("elesium.cli.commands.run.load_engine", lambda args, **k: engine)
+
+
+def test_the_cli_lists_and_runs_the_projects_graphs(
+    project: Path, cli_env: None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["workflows", "--config", str(project), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [w["name"] for w in listed] == ["review-reply", "review-summary"]
+    assert listed[1]["schema"]["additionalProperties"] is False
+
+    code = main(["run", "review-summary", "--config", str(project), "--input", json.dumps(REVIEW),
+                 "--seed", "3", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    doc = json.loads(out.out)
+    assert doc["status"] == "succeeded" and doc["state"]["summary"] and doc["acceptance"]["calls"] == 1
+
+    # ./langgraph.json is the default where it exists; --no-config keeps the built-in workflows.
+    monkeypatch.chdir(project.parent)
+    assert main(["workflows", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [w["name"] for w in json.loads(out.out)] == ["review-reply", "review-summary"]
+    assert "graphs from" in out.err
+    assert main(["workflows", "--json", "--no-config"]) == 0
+    assert "ticket-triage" in {w["name"] for w in json.loads(capsys.readouterr().out)}
+    assert main(["run", "review-reply", "--no-config", "--input", "{}"]) == 1
+    assert "unknown workflow 'review-reply'" in capsys.readouterr().err
+
+
+GRAPH = "from langgraph.graph import StateGraph\nfrom typing import TypedDict\n" \
+        "class S(TypedDict):\n    x: int\nb = StateGraph(S)\nb.add_node('n', lambda s: s)\n" \
+        "b.set_entry_point('n')\ngraph = b.compile()\nnot_a_graph = 3\n" \
+        "def factory(config):\n    return b\nasync def afactory():\n    return b\n"
+
+
+@pytest.mark.parametrize("doc,message", [
+    (None, "no such file"),
+    ("{\"graphs\": ", "not valid JSON: Expecting value at line 1 column 12"),
+    ({"graphs": {"g": "./g.py:graph"}, "graph": {}}, "unknown key 'graph'"),
+    ({"graphs": ["./g.py:graph"]}, "'graphs' must be a non-empty object"),
+    ({"graphs": {"g": "./g.py"}}, "graph 'g': expected \"./file.py:attr\""),
+    ({"graphs": {"g": "./g.py:graph"}, "env": 3}, "'env' must be a file path or an object"),
+    ({"graphs": {"g": "./g.py:graph"}, "env": ".env.missing"}, "env file '.env.missing' not found"),
+    ({"graphs": {"g": "./g.py:graph"}, "dependencies": "."}, "'dependencies' must be a list"),
+    ({"graphs": {"g": "./missing.py:graph"}}, "graph 'g' (./missing.py:graph): no file"),
+    ({"graphs": {"g": "./broken.py:graph"}}, "graph 'g' (./broken.py:graph): import failed: "
+                                             "ModuleNotFoundError: No module named 'no_such_module'"),
+    ({"graphs": {"g": "no_such_pkg.mod:graph"}}, "graph 'g' (no_such_pkg.mod:graph): import failed"),
+    ({"graphs": {"g": "./g.py:nope"}}, "graph 'g' (./g.py:nope): "),
+    ({"graphs": {"g": "./g.py:not_a_graph"}}, "graph 'g' (./g.py:not_a_graph): not a graph: got int"),
+    ({"graphs": {"g": "./g.py:afactory"}}, "async graph factories are not supported"),
+])
+def test_a_bad_project_is_one_line_naming_the_entry(
+    doc: Any, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "g.py").write_text(GRAPH)
+    (tmp_path / "broken.py").write_text("import no_such_module\n")
+    config = tmp_path / "langgraph.json"
+    if doc is not None:
+        config.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    assert main(["workflows", "--config", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elesium: error: ") and message in err[0], err
+    if "nope" in str(doc):
+        assert "has no attribute 'nope'" in err[0]
+
+
+def test_factories_with_a_config_and_graphs_by_module_load(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "proj_pkg_lgjson"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "g.py").write_text(GRAPH)
+    (tmp_path / ".env").write_text("# comment\nexport LGJSON_TEST_VAR='from file'\n")
+    monkeypatch.delenv("LGJSON_TEST_VAR", raising=False)
+    config = tmp_path / "langgraph.json"
+    graphs = {"a": "proj_pkg_lgjson.g:factory",
+              "b": {"path": "./proj_pkg_lgjson/g.py:graph", "description": "B"}}
+    config.write_text(json.dumps({"dependencies": ["."], "env": ".env", "python_version": "3.11",
+                                  "graphs": graphs}))
+    loaded = load_project(config)
+    assert loaded.names == ["a", "b"] and os.environ["LGJSON_TEST_VAR"] == "from file"
+    assert loaded.registry.get("b").description == "B"
+    assert loaded.registry.get("a").version == loaded.registry.get("b").version  # same builder
+    assert read_config(config).ignored == ["python_version"]
+
+
+def test_dev_hands_its_options_to_serve_and_watches_the_project(capsys: pytest.CaptureFixture[str]) -> None:
+    from elesium.cli.commands import dev, serve
+
+    project = EXAMPLE / "langgraph.json"  # read, not imported
+
+    parser = argparse.ArgumentParser()
+    serve.add_serve_args(parser)
+    args = parser.parse_args(["--no-auth", "--port", "9000", "--workers", "2"])
+    argv = dev.serve_argv(parser._actions, args, project)
+    assert argv[3:] == ["serve", "--config", str(project), "--port", "9000", "--no-auth", "--workers", "2"]
+    watched = read_config(project).watched_files()
+    assert project in watched and project.parent / "summary_graph.py" in watched
+    assert main(["dev", "--config", str(project.parent / "missing.json")]) == 1
+    assert "no such file" in capsys.readouterr().err
