@@ -22,7 +22,7 @@ from elesium.api.errors import install_handlers
 from elesium.api.execution import Services
 from elesium.api.metrics import Metrics
 from elesium.api.settings import ApiSettings
-from elesium.api.tracing import Tracing
+from elesium.api.tracing import RequestSpans, Tracing
 from elesium.api.worker import EngineWorker
 from elesium.graphs.registry import Registry
 from elesium.inference.types import TextEngine
@@ -230,4 +230,6 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
     app.add_middleware(
         Guard, settings=settings, metrics_of=lambda: getattr(holder.get("svc"), "metrics", None)
     )
+    if (settings.otel_exporter or "none").strip().lower() != "none":  # a request span (api/tracing.py)
+        app.add_middleware(RequestSpans, tracing_of=lambda: getattr(holder.get("svc"), "tracing", None))
     return app

@@ -367,8 +367,11 @@ class Services:
                 raise
         timeout = self.settings.run_timeout_s or None
         try:
-            self.queue.enqueue(row.run_id, {"kind": "api", "thread_id": row.thread_id},
-                               thread_id=row.thread_id, timeout_s=timeout)
+            payload: dict[str, Any] = {"kind": "api", "thread_id": row.thread_id}
+            trace = self.tracing.context()  # the request's span: the worker's run span continues its trace
+            if trace:
+                payload["trace"] = trace
+            self.queue.enqueue(row.run_id, payload, thread_id=row.thread_id, timeout_s=timeout)
         except Exception:
             # Re-raised: only ends the run that no worker will ever claim, so its thread is not left busy.
             self.settle(row, "error", "the run could not be queued (Redis unavailable)")

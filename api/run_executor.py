@@ -53,6 +53,12 @@ class RunFailed(Exception):
     """The run ended in error (recorded); the queue marks it failed."""
 
 
+def _trace_context(payload: Any) -> dict[str, Any] | None:
+    """The W3C trace context a run was enqueued with (None for a payload without one: a new root)."""
+    trace = payload.get("trace") if isinstance(payload, dict) else None
+    return trace if isinstance(trace, dict) else None
+
+
 def dedupe_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per (node, call index), in first-seen order: a call that a dead attempt finished
     and the resumed attempt re-ran is recorded once (both decoded the same tokens, from the same
@@ -77,8 +83,10 @@ class ApiRunExecutor:
             raise ValueError(f"run {run_id!r} is queued but has no run row")
         # The run's trace (tracing on): its span from here until its outcome is recorded, a span per node
         # execution and per LLM call (api/tracing.py). None when tracing is off.
+        # Its parent: the span of the request that created the run (payload "trace"), in whatever process.
         with svc.tracing.run(row.workflow, run_id=run_id, thread_id=public_id(row.thread_id),
-                             version=row.workflow_version, attempt=lease.attempt) as trace:
+                             version=row.workflow_version, attempt=lease.attempt,
+                             parent=_trace_context(lease.payload)) as trace:
             status = self._execute(row, lease, trace)
             if trace is not None:
                 trace.outcome(status)

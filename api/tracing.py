@@ -2,27 +2,41 @@
 
 Spans follow the GenAI semantic conventions and are timed as things happen, on the threads they happen on:
 
+- ``<METHOD> <route>`` per HTTP request, a server span (:class:`RequestSpans`, an ASGI middleware the app
+  installs only when tracing is on), continuing the caller's trace when the request carries a W3C
+  ``traceparent`` (and ``tracestate``) header; it is the current span while the route runs, so a run
+  created by the request carries its context in the queue payload (:meth:`Tracing.context`, field
+  ``trace``);
 - ``invoke_workflow <workflow>`` per executed run (an attempt of a queued run), opened when a queue worker
-  starts executing it and closed once its outcome is recorded (:meth:`Tracing.run`);
+  starts executing it and closed once its outcome is recorded (:meth:`Tracing.run`), a child of the request
+  span that created the run when the payload carries its context, so server and worker (any process, any
+  machine) share one trace; a run without it (an older payload, a cron, tracing off at the server) is a
+  root;
 - ``langgraph.node <node>`` per node execution, a child of the run span, opened and closed by a LangChain
   callback on the LangGraph task's own thread (:attr:`RunTrace.callbacks`); a subgraph's node is a child of
   the node that runs the subgraph;
 - ``chat <model>`` per LLM call, a child of the node span that makes it, from the engine call's start to its
   last token (:meth:`RunTrace.engine`), and one per ``/v1/chat/completions`` request, a root span
   (:meth:`Tracing.engine`), with ``gen_ai.*`` request and usage attributes and the decode's mode, τ, seed,
-  elapsed time and the run's call tag under ``elesium.*``.
+  elapsed time and the run's call tag under ``elesium.*``;
+- ``prefill`` and ``decode`` per LLM call, children of its chat span (:class:`TracedHandle`): the prefill
+  from the first request for a token until the first token is out (it includes any wait for the engine,
+  which decodes one sequence at a time), the decode from there to the last token, with its steps, tokens
+  and τ (tokens per verification step).
 
-Parents are passed explicitly, never taken from the thread's current context, so the spans nest correctly
-across the queue worker's threads, LangGraph's task pool and a node's own threads. The tracer provider is
-private to the app, so tests and embedding apps are unaffected. With tracing off, :meth:`Tracing.run`
-yields None and :meth:`Tracing.engine` returns the engine itself: nothing of OpenTelemetry runs.
+Below the request span, parents are passed explicitly, never taken from the thread's current context, so
+the spans nest correctly across the queue worker's threads, LangGraph's task pool and a node's own threads,
+and a run span's parent crosses processes in the queue payload. The tracer provider is private to the app,
+so tests and embedding apps are unaffected. With tracing off, :meth:`Tracing.run` yields None,
+:meth:`Tracing.engine` returns the engine itself, :meth:`Tracing.context` is empty and no middleware is
+installed: nothing of OpenTelemetry runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
@@ -99,8 +113,12 @@ class Tracing:
 
     @contextlib.contextmanager
     def run(self, workflow: str, *, run_id: str, thread_id: str, version: str | None = None,
-            attempt: int | None = None) -> Iterator[RunTrace | None]:
+            attempt: int | None = None, parent: Mapping[str, Any] | None = None) -> Iterator[RunTrace | None]:
         """The ``invoke_workflow`` span of one executed run, around the block that executes it.
+
+        ``parent``: the W3C trace context the run was enqueued with (the queue payload's ``trace``:
+        ``traceparent``, ``tracestate``), whose span becomes the run span's parent; None, empty or
+        invalid: the run span is a root.
 
         Yields the run's :class:`RunTrace` (None when tracing is off). An exception leaving the block
         is recorded on the span (``error.type``; a cancellation is not an error) and propagates."""
@@ -112,6 +130,7 @@ class Tracing:
 
         span = self.tracer.start_span(
             f"invoke_workflow {workflow}", kind=otel_trace.SpanKind.INTERNAL,
+            context=_extract(parent) if parent else otel_context.Context(),
             attributes=_clean({
                 "gen_ai.operation.name": "invoke_workflow",
                 "gen_ai.provider.name": PROVIDER,
@@ -134,6 +153,18 @@ class Tracing:
             otel_context.detach(token)
             trace.close()
 
+    def context(self) -> dict[str, str]:
+        """The current trace context (the request span, on a request's thread or task) as W3C headers,
+        ``{"traceparent": ..., "tracestate": ...}``, to put in a queue payload; empty when tracing is off
+        or no span is current."""
+        if self.tracer is None:
+            return {}
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier)
+        return carrier if "traceparent" in carrier else {}
+
     def engine(self, engine: TextEngine, *, response_id: str | None = None) -> TextEngine:
         """``engine`` with a root ``chat <model>`` span per generation it starts (an OpenAI chat
         completion's): ``engine`` itself when tracing is off."""
@@ -144,6 +175,78 @@ class Tracing:
     def shutdown(self) -> None:
         if self.tracer is not None:
             self.provider.shutdown()
+
+
+def _extract(carrier: Mapping[str, Any]) -> Any:
+    """The OpenTelemetry context of W3C trace headers (an empty context for invalid ones)."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract({str(k).lower(): str(v) for k, v in carrier.items()
+                                                    if isinstance(v, str)})
+
+
+UNTRACED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+"""Probes and scrapes: no request span (they would be most of the traces)."""
+
+
+class RequestSpans:
+    """ASGI middleware: a server span per HTTP request, ``<METHOD> <route>``, from the request's arrival to
+    the end of its response (a stream's last byte), continuing the caller's trace from its ``traceparent``
+    / ``tracestate`` headers. The span is the current one while the route runs (contextvars reach the
+    routes' thread pool), which is how a run created by the request carries it to the queue.
+
+    ``tracing_of`` gives the app's :class:`Tracing` (None before startup); with tracing off a request
+    passes straight through."""
+
+    def __init__(self, app: Any, tracing_of: Callable[[], Tracing | None]) -> None:
+        self.app, self.tracing_of = app, tracing_of
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        tracing = self.tracing_of() if scope["type"] == "http" else None
+        if tracing is None or tracing.tracer is None or scope.get("path") in UNTRACED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace as otel_trace
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or ()
+                   if k.lower() in (b"traceparent", b"tracestate")}
+        method = str(scope.get("method") or "HTTP")
+        parent = _extract(headers)
+        span = tracing.tracer.start_span(method, context=parent, kind=otel_trace.SpanKind.SERVER,
+                                         attributes=_clean({
+                                             "http.request.method": method,
+                                             "url.path": scope.get("path"),
+                                             "url.scheme": scope.get("scheme"),
+                                             "network.protocol.version": scope.get("http_version"),
+                                         }))
+        status: dict[str, int] = {}
+
+        async def traced_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = int(message["status"])
+                span.set_attribute("http.response.status_code", status["code"])
+            await send(message)
+
+        token = otel_context.attach(otel_trace.set_span_in_context(span, parent))
+        try:
+            await self.app(scope, receive, traced_send)
+        except BaseException as exc:
+            if _error_type(exc) in (*_CANCELLED, "CancelledError"):  # the client went away
+                span.set_attribute("error.type", "cancelled")
+            else:
+                _set_error(span, exc)
+            raise
+        finally:
+            otel_context.detach(token)
+            route = getattr(scope.get("route"), "path", None)
+            if route:
+                span.set_attribute("http.route", route)
+                span.update_name(f"{method} {route}")
+            code = status.get("code")
+            if code is not None and code >= 500:
+                _set_error(span, str(code))
+            span.end()
 
 
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
@@ -342,24 +445,32 @@ class TracedEngine:
         except BaseException as exc:
             _end_chat(span, None, exc)
             raise
-        return TracedHandle(inner, span, model)
+        return TracedHandle(inner, span, model, self._tracing.tracer)
 
 
 class TracedHandle:
-    """A generation handle that ends its chat span with the result, or with why it stopped early."""
+    """A generation handle that ends its chat span with the result, or with why it stopped early, and
+    times the call's two phases as children of it, as the handle is iterated: ``prefill`` from the first
+    request for a token until the first token is out (the first chunk), ``decode`` from there to the end
+    (the last token, an error or ``close``)."""
 
-    def __init__(self, inner: Any, span: Any, model: str) -> None:
-        self.inner, self.span, self.model = inner, span, model
+    def __init__(self, inner: Any, span: Any, model: str, tracer: Any) -> None:
+        self.inner, self.span, self.model, self.tracer = inner, span, model, tracer
         self._iter = iter(inner)
         self._ended = False
         self._lock = threading.Lock()
+        self._phase: tuple[str, Any] | None = None  # ("prefill" | "decode", its open span)
+        self._first_tokens = 0  # tokens of the first chunk (the prefill's)
+        self._chunks = self._tokens = self._steps = 0  # what the decode produced so far
 
     def __iter__(self) -> TracedHandle:
         return self
 
     def __next__(self) -> Any:
+        if self._chunks == 0 and self._phase is None:
+            self._open("prefill")
         try:
-            return next(self._iter)
+            chunk = next(self._iter)
         except StopIteration:
             try:
                 result = self.inner.result
@@ -370,6 +481,8 @@ class TracedHandle:
         except BaseException as exc:
             self._end(None, exc)
             raise
+        self._chunk(chunk)
+        return chunk
 
     def close(self) -> None:
         try:
@@ -381,11 +494,71 @@ class TracedHandle:
     def result(self) -> Any:
         return self.inner.result
 
+    # -- phases
+    def _open(self, name: str) -> None:
+        from opentelemetry import trace as otel_trace
+
+        with self._lock:
+            if self._ended:
+                return
+            child = self.tracer.start_span(
+                name, context=otel_trace.set_span_in_context(self.span), kind=otel_trace.SpanKind.INTERNAL,
+                attributes={"elesium.phase": name})
+            self._phase = (name, child)
+
+    def _chunk(self, chunk: Any) -> None:
+        tokens = len(getattr(chunk, "token_ids", ()) or ())
+        with self._lock:
+            first = self._chunks == 0
+            self._chunks += 1
+            if first:
+                self._first_tokens = tokens
+            else:
+                self._tokens += tokens
+                self._steps += getattr(chunk, "step", None) is not None
+            phase = self._phase if first and self._phase is not None and self._phase[0] == "prefill" else None
+            if phase is not None:
+                self._phase = None  # this thread ends it
+        if phase is not None:
+            prompt = getattr(self.inner, "prompt_ids", None)
+            phase[1].set_attributes(_clean({
+                "elesium.prefill.tokens": len(prompt) if prompt is not None else None,
+                "elesium.prefill.new_tokens": tokens,
+            }))
+            phase[1].end()
+            self._open("decode")
+
+    def _close_phase(self, result: Any, error: BaseException | str | None) -> None:
+        """End the open phase (called once, before the chat span ends)."""
+        with self._lock:
+            phase, self._phase = self._phase, None
+        if phase is None:
+            return
+        name, span = phase
+        if name == "decode":
+            tau: float | None
+            if result is not None:
+                steps, tokens = len(result.steps), int(result.new_tokens) - self._first_tokens
+                tau = round(float(result.mean_accepted), 4)
+            else:
+                steps, tokens = self._steps, self._tokens
+                tau = round(tokens / steps, 4) if steps else None
+            span.set_attributes(_clean({"elesium.decode.steps": steps, "elesium.decode.tokens": tokens,
+                                        "elesium.decode.tau": tau}))
+        elif result is not None:  # finished in its prefill (the first token ended it)
+            span.set_attribute("elesium.prefill.tokens", int(result.prompt_tokens))
+        if error is not None and _error_type(error) in _CANCELLED:
+            span.set_attribute("error.type", "cancelled")
+        elif error is not None:
+            _set_error(span, error)
+        span.end()
+
     def _end(self, result: Any, error: BaseException | str | None) -> None:
         with self._lock:
             if self._ended:
                 return
             self._ended = True
+        self._close_phase(result, error)
         if result is not None:
             self.span.set_attribute("gen_ai.response.model", self.model)
         _end_chat(self.span, result, error)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import queue
 import threading
 from collections.abc import Callable
@@ -42,7 +43,9 @@ class EngineWorker:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             self._pending += 1
-        self._queue.put((future, fn))
+        # The caller's context (its trace span among others) goes with the work to the worker thread.
+        context = contextvars.copy_context()
+        self._queue.put((future, lambda: context.run(fn)))
         return future
 
     async def run(self, fn: Callable[[], T]) -> T:

@@ -8,9 +8,11 @@ written there, never into the repository. The model is the session's float32 eng
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +197,126 @@ def test_dev_hands_its_options_to_serve_and_watches_the_project(capsys: pytest.C
     assert project in watched and project.parent / "summary_graph.py" in watched
     assert main(["dev", "--config", str(project.parent / "missing.json")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+SEED = 11
+
+
+def _server_env(tmp_path: Path) -> dict[str, str]:
+    """A fresh user's environment for ``elesium serve``: no REDIS_URL (the embedded Valkey starts in a
+    new data dir), one key, the project's own ``env`` left to the project, and the session's cache
+    directory (its tuning profile is the one the session engine loaded)."""
+    drop = ("REDIS_URL", "ELESIUM_API_KEYS", "ELESIUM_API_KEYS_FILE", "REVIEW_SUMMARY_MAX_TOKENS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return env | {"ELESIUM_DATA_DIR": str(tmp_path / "data"), "ELESIUM_API_KEYS": "k=t",
+                  "PYTHONUNBUFFERED": "1"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _final_values(parts: list[Any]) -> dict[str, Any]:
+    values = [p.data for p in parts if p.event == "values"]
+    assert values, [p.event for p in parts]
+    return values[-1]
+
+
+def _calls(entries: Any) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """(node, call index, call seed, tokens) of each LLM call, from the API's acceptance entries."""
+    return [(e["node_id"], e["call_index"] or 0, e["call_seed"] or 0, tuple(e["tokens"] or ()))
+            for e in entries if e["kind"] == "call"]
+
+
+@pytest.mark.slow
+def test_serve_config_answers_as_the_project_runs_in_process(
+    project: Path, engine: Any, state_server: Any, key_prefix: str, tmp_path: Path
+) -> None:
+    """Issue 39: ``elesium serve --config examples/review-reply/langgraph.json`` (a subprocess, its own
+    embedded Valkey), each graph run through langgraph-sdk (streamed, and waited on another thread,
+    same input and run seed), replayed identically, and the same answer and LLM tokens as the same
+    graph run in-process through the same loader; SIGTERM then stops it with its Valkey."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from elesium.api.client import ElesiumClient
+    from elesium.api.server import free_port
+    from elesium.graphs import WorkflowRunner
+    from elesium.graphs.audit import call_tokens
+
+    registry = load_project(project).registry  # fits the probe into the copy, before the server reads it
+    assert (project.parent / "review-sentiment.json").exists()
+    port = free_port()
+    elesium = Path(sys.executable).parent / "elesium"
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [str(elesium), "serve", "--config", str(project), "--port", str(port), "--device", "cpu",
+             "--dtype", "float32"],
+            cwd=tmp_path, env=_server_env(tmp_path), stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        # In-process while the server starts: the loader's registry on the session's float32 CPU engine.
+        runner = WorkflowRunner(engine, state_server.url, registry=registry, prefix=key_prefix)
+        local = {}
+        for graph in ("review-reply", "review-summary"):
+            done = runner.start(graph, REVIEW, seed=SEED)
+            assert done.status == "succeeded", done.error
+            local[graph] = (json.loads(json.dumps(done.state)), call_tokens(runner.log, done.run_id))
+            assert local[graph][1] and all(tokens for *_, tokens in local[graph][1])
+
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"serve exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"serve not ready in 300 s: {log_path.read_text()[-3000:]}"
+            time.sleep(0.25)
+
+        config = {"configurable": {"run_seed": SEED}}
+        with ElesiumClient(url, api_key="k", timeout=300) as client:
+            assert {a["graph_id"] for a in client.assistants.search()} == {"review-reply", "review-summary"}
+            for graph, (state, calls) in local.items():
+                thread = client.threads.create()["thread_id"]
+                parts = list(client.runs.stream(thread, graph, input=REVIEW, config=config,
+                                                stream_mode=["values", "messages-tuple"]))
+                streamed = _final_values(parts)
+                run = client.runs.list(thread)[0]
+                assert run["status"] == "success", run
+                other = client.threads.create()["thread_id"]
+                waited = client.runs.wait(other, graph, input=REVIEW, config=config)
+                other_run = client.runs.list(other)[0]
+                assert streamed == waited == state, (graph, streamed, waited, state)
+                served = _calls(client.acceptance_entries(thread, run["run_id"]))
+                assert served == _calls(client.acceptance_entries(other, other_run["run_id"])) == calls
+                if graph == "review-summary":  # ChatElesium's tokens came through the messages stream
+                    chunks = [p.data[0]["content"] for p in parts if p.event == "messages"]
+                    assert chunks and "".join(chunks).strip() == streamed["summary"]
+                report = client.replay(thread, run["run_id"], "reexecute")
+                assert report["verdict"] == "identical", report
+                assert report["calls_compared"] >= 1
+
+        valkey = int(json.loads(next((tmp_path / "data").rglob("server.json")).read_text())["pid"])
+        assert _alive(valkey)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        deadline = time.monotonic() + 15
+        while _alive(valkey):
+            assert time.monotonic() < deadline, f"SIGTERM left the embedded Valkey (pid {valkey}) running"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:  # a failure above: SIGTERM still stops its Valkey, SIGKILL would not
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,4 +1,5 @@
-"""OpenTelemetry spans timed as things happen (issue 39): a run, its nodes, its LLM calls, a chat completion.
+"""OpenTelemetry spans timed as things happen (issue 39): a run, its nodes, its LLM calls (with their prefill
+and decode), a chat completion. (tests/test_tracing_context.py: request spans and one trace across processes.)
 
 A real API server (uvicorn, the session's float32 engine, the embedded Valkey) executes a small workflow
 on its in-process queue worker, with an in-memory span exporter in place of the console one. The workflow
@@ -118,8 +119,8 @@ def test_a_run_has_a_run_span_with_node_spans_with_chat_spans_timed_as_they_ran(
     by_name: dict[str, list[Any]] = {}
     for s in done:
         by_name.setdefault(s.name, []).append(s)
-    assert sorted(by_name) == ["chat " + MODEL, "invoke_workflow traced", "langgraph.node approve",
-                               "langgraph.node facts", "langgraph.node outline"]
+    assert sorted(by_name) == ["chat " + MODEL, "decode", "invoke_workflow traced", "langgraph.node approve",
+                               "langgraph.node facts", "langgraph.node outline", "prefill"]
     (run,) = by_name["invoke_workflow traced"]
     assert run.parent is None
     assert run.attributes["gen_ai.operation.name"] == "invoke_workflow"
@@ -149,6 +150,11 @@ def test_a_run_has_a_run_span_with_node_spans_with_chat_spans_timed_as_they_ran(
         # spans were made up from the run record at the end).
         duration_s = (chat.end_time - chat.start_time) / 1e9
         assert a["elesium.decode.elapsed_s"] > 0 and duration_s >= a["elesium.decode.elapsed_s"] - EPS_S
+        # Its prefill, then its decode, as children inside it (tests/test_tracing_context.py has more).
+        (prefill,) = [p for p in by_name["prefill"] if p.parent.span_id == chat.context.span_id]
+        (decode,) = [d for d in by_name["decode"] if d.parent.span_id == chat.context.span_id]
+        assert chat.start_time <= prefill.start_time <= prefill.end_time <= decode.start_time
+        assert decode.end_time <= chat.end_time
     # The two calls share the engine (one decodes at a time), so their spans do not start together with
     # the run: the run span lasts at least as long as its calls' decoding.
     decoding = sum(c.attributes["elesium.decode.elapsed_s"] for c in chats.values())
@@ -169,8 +175,8 @@ def test_a_generation_on_a_traced_engine_is_a_root_chat_span(engine: Any):
     tracing = Tracing(model=MODEL, span_exporter=exporter)
     request = GenerationRequest([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=5, seed=3))
     gen = generate(tracing.engine(engine, response_id="chatcmpl-1"), request)
-    (chat,) = exporter.get_finished_spans()
-    assert chat.name == f"chat {MODEL}" and chat.parent is None
+    (chat,) = [s for s in exporter.get_finished_spans() if s.name == f"chat {MODEL}"]
+    assert chat.parent is None
     a = chat.attributes
     assert a["gen_ai.response.id"] == "chatcmpl-1" and a["gen_ai.request.seed"] == 3
     assert a["gen_ai.usage.output_tokens"] == gen.new_tokens == 5
@@ -181,7 +187,7 @@ def test_a_generation_on_a_traced_engine_is_a_root_chat_span(engine: Any):
     stream = tracing.engine(engine).start(GenerationRequest("Count to ten.", SamplingParams(max_tokens=40)))
     next(iter(stream))
     stream.close()
-    (left,) = exporter.get_finished_spans()
+    (left,) = [s for s in exporter.get_finished_spans() if s.name == f"chat {MODEL}"]
     assert left.attributes["error.type"] == "cancelled"
     assert "gen_ai.usage.output_tokens" not in left.attributes
 
