@@ -25,6 +25,8 @@ and also fails records that exist but were never chained (an entry appended late
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -44,13 +46,22 @@ from elesium.state.audit_chain import (
     digest_json,
     signer_for,
 )
-from elesium.state.audit_records import StoredCheckpoint, read_checkpoints, read_stream
+from elesium.state.audit_records import (
+    StoredCheckpoint,
+    blob_fields_of,
+    checkpoint_digest,
+    read_checkpoints,
+    read_stream,
+    stream_digest,
+    write_digests,
+)
 
 TERMINAL = ("success", "error", "interrupted", "timeout")
 REGISTRY_TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")  # state/runs.RunStatus values
 REGISTRY_FIELDS = {"run_id", "workflow", "workflow_version", "input_hash", "seeds", "tenant", "thread_id",
                    "input", "engine", "created_at"}
 """What of a run registry record is chained: fixed when the run is created."""
+_STREAM_PAGE = 1000
 SEAL_STATUS = {"success": "succeeded", "error": "failed", "interrupted": "interrupted"}
 
 
@@ -79,6 +90,19 @@ class RunSources:
         self.cp_prefix = cp_prefix
         self.registry = registry
         self.stream_key = (acceptance or AcceptanceLog(client)).key(run_id)
+        self._list_keys: dict[str, str] = {}
+
+    def list_key(self, kind: str) -> str | None:
+        """The key of the run's ``calls`` / ``replays`` list in the ``ThreadStore`` (resolved once, as
+        the store resolves it), or None: no store, no row yet, or a store that does not say."""
+        key = self._list_keys.get(kind)
+        if key is None and self.store is not None and callable(getattr(self.store, "_r", None)):
+            key = self.store._r(self.run_id, kind)
+            if isinstance(key, str):
+                self._list_keys[kind] = key
+            else:
+                key = None
+        return key
 
     def row(self) -> list[Record]:
         row = self.store.get_run_any(self.run_id) if self.store is not None else None
@@ -136,9 +160,13 @@ def foreign_refs(chain: AuditChain, thread_id: str, run_id: str) -> tuple[set[st
 class RunAudit:
     """Chains one run's records as it runs (``sync`` after each super-step) and seals it at the end.
 
-    Incremental: it remembers what it chained, skips checkpoints of other runs it need not re-read and
-    reads the acceptance stream from its last chained id. A retried attempt of the run starts from the
-    stored chain; compare-and-append turns a concurrent writer into :class:`StaleHeadError`."""
+    Incremental: it remembers what it chained and what it read. Each sync reads only what is new: the
+    checkpoint ids of every namespace, the calls and replays lists, the acceptance stream after the
+    last chained id and the size of each writes hash already read, in one pipelined round trip; then
+    the hashes of checkpoints not read yet and the writes hashes that grew (one more); then the blobs
+    the new checkpoints reference (one more); then one compare-and-append script. Nothing already
+    read is parsed or hashed again. A retried attempt of the run starts from the stored chain;
+    compare-and-append turns a concurrent writer into :class:`StaleHeadError`."""
 
     def __init__(self, chain: AuditChain, sources: RunSources, *, signer: Signer | None = None) -> None:
         self.chain, self.src = chain, sources
@@ -153,6 +181,10 @@ class RunAudit:
         self._foreign, _ = foreign_refs(chain, t, r)
         self._skip: set[str] = set()
         self._touched: set[str] = set()
+        self._keys = K.ThreadKeys.of(sources.cp_prefix, t)
+        self._namespaces: list[str] = [K.encode_ns("")]  # the root namespace: read in the first trip
+        self._read: dict[tuple[str, str], int] = {}  # checkpoints read (own or touched) -> writes read
+        self._lists: dict[bytes, Record] = {}  # call / replay JSON -> its record (digested once)
         self.sync_seconds: list[float] = []  # per sync, for the cost benchmark
 
     def begin(self, config: Mapping[str, Any]) -> None:
@@ -166,10 +198,22 @@ class RunAudit:
         if start:
             self._touched.add(str(start))
 
+    def _list_records(self, kind: str, raws: list[bytes]) -> list[Record]:
+        out = []
+        for raw in raws:
+            rec = self._lists.get(raw)
+            if rec is None:
+                value = json.loads(raw)
+                ref = (f"call:{value.get('node')}#{value.get('call')}" if kind == "call"
+                       else f"replay:{value.get('replay_id')}")
+                rec = self._lists[raw] = Record(kind, ref, digest_json(value))
+            out.append(rec)
+        return out
+
     def pending(self) -> list[Record]:
         """The run's records not chained yet, in chain order (row, checkpoints and writes, calls,
         acceptance entries, replay reports)."""
-        run_id, out = self.src.run_id, []
+        src, keys, run_id, out = self.src, self._keys, self.src.run_id, []
         seen = set(self.chained)
 
         def add(rec: Record) -> None:
@@ -178,40 +222,106 @@ class RunAudit:
                 out.append(rec)
 
         if "run" not in self.chained:
-            for rec in self.src.row():
+            for rec in src.row():
                 add(rec)
-        for cp in self.src.checkpoints(self._skip):
-            own = cp.run_id == run_id
-            if own:
-                self._touched.add(cp.parent)
-            elif cp.cid not in self._touched:
-                self._skip.add(cp.cid)
+        # trip 1: namespaces and their ids, sizes of the writes hashes read, calls, replays, acceptance
+        known = list(self._read)
+        lists = [k for k in ("calls", "replays") if src.list_key(k) is not None]
+        pipe = src.client.pipeline(transaction=False)
+        pipe.zrange(keys.nss, 0, -1)
+        for ns in self._namespaces:
+            pipe.zrange(keys.idx(ns), 0, -1)
+        for ns, cid in known:
+            pipe.hlen(keys.writes(ns, cid))
+        for k in lists:
+            pipe.lrange(src.list_key(k), 0, -1)
+        pipe.xrange(src.stream_key, min=f"({self._acc_after}" if self._acc_after else "-", max="+",
+                    count=_STREAM_PAGE)
+        replies = iter(pipe.execute())
+        namespaces = [ns.decode() for ns in next(replies)]
+        id_lists = {ns: next(replies) for ns in self._namespaces}
+        sizes = {key: next(replies) for key in known}
+        list_rows = {k: next(replies) for k in lists}
+        acc_rows = next(replies)
+        missing = [ns for ns in namespaces if ns not in id_lists]
+        if missing:  # a namespace first seen now (a subgraph's): one more trip for its ids
+            pipe = src.client.pipeline(transaction=False)
+            for ns in missing:
+                pipe.zrange(keys.idx(ns), 0, -1)
+            id_lists.update(zip(missing, pipe.execute()))
+        self._namespaces = namespaces
+        ids = [(ns, cid.decode()) for ns in namespaces for cid in id_lists[ns]]
+        # trip 2: the hashes of checkpoints not read yet, and the writes hashes that grew
+        new = [(ns, cid) for ns, cid in ids if (ns, cid) not in self._read and cid not in self._skip]
+        grown = [key for key in ids if key in self._read and sizes.get(key) != self._read[key]]
+        pipe = src.client.pipeline(transaction=False)
+        for ns, cid in new:
+            pipe.hgetall(keys.checkpoint(ns, cid))
+        for ns, cid in [*new, *grown]:
+            pipe.hgetall(keys.writes(ns, cid))
+        replies = iter(pipe.execute() if new or grown else [])
+        fields = {key: next(replies) for key in new}
+        writes = {key: next(replies) for key in [*new, *grown]}
+        # which new checkpoints are this run's (or the one it started from), as read_checkpoints + pending did
+        own: dict[tuple[str, str], list[bytes]] = {}
+        for key in new:
+            f = fields[key]
+            if f.get(b"run_id", b"").decode() == run_id:
+                self._touched.add(f.get(b"parent", b"").decode())
+                own[key] = blob_fields_of(f)
+            elif key[1] not in self._touched:
+                self._skip.add(key[1])
+        # trip 3: the blobs the run's new checkpoints reference
+        wanted = [key for key, names in own.items() if names]
+        pipe = src.client.pipeline(transaction=False)
+        for ns, cid in wanted:
+            pipe.hmget(keys.blobs(ns), own[(ns, cid)])
+        blobs = dict(zip(wanted, pipe.execute() if wanted else []))
+        for key in ids:
+            if key not in writes or key[1] in self._skip:
                 continue
-            if own and cp.digest:
-                add(Record("checkpoint", cp.ref, cp.digest))
-            for label in sorted(cp.writes):
-                ref = cp.write_ref(label)
+            ns, cid = key
+            if key in own:
+                digest = checkpoint_digest(fields[key], own[key], blobs.get(key, []))
+                add(Record("checkpoint", f"cp:{ns}:{cid}", digest))
+            labels = write_digests(writes[key])
+            self._read[key] = len(writes[key])
+            for label in sorted(labels):
+                ref = f"w:{ns}:{cid}:{label}"
                 if ref not in self._foreign:
-                    add(Record("writes", ref, cp.writes[label]))
-        for rec in self.src.calls():
+                    add(Record("writes", ref, labels[label]))
+        listed = set(ids)
+        for key in known:  # deleted since (retention): nothing more to read there
+            if key not in listed:
+                del self._read[key]
+        calls = self._list_records("call", list_rows["calls"]) if "calls" in list_rows else src.calls()
+        for rec in calls:
             add(rec)
-        for rec in self.src.acceptance(self._acc_after):
-            add(rec)
-            self._acc_after = rec.ref[4:]
-        for rec in self.src.replays():
+        acc = [(e.decode(), stream_digest(f)) for e, f in acc_rows]
+        if len(acc_rows) == _STREAM_PAGE:
+            acc += read_stream(src.client, src.stream_key, acc[-1][0])
+        for eid, digest in acc:
+            add(Record("acceptance", f"acc:{eid}", digest))
+            self._acc_after = eid
+        replays = (self._list_records("replay", list_rows["replays"]) if "replays" in list_rows
+                   else src.replays())
+        for rec in replays:
             add(rec)
         return out
 
     def sync(self) -> int:
         """Chain whatever the run wrote since the last sync; the number of entries appended."""
-        import time
-
         t0 = time.perf_counter()
-        records = self.pending()
-        if records:
-            self.head = self.chain.append(self.src.thread_id, self.src.run_id, self.head, records,
-                                          genesis=self.genesis)
-            self.chained.update((r.ref, r.digest) for r in records)
+        read, after = dict(self._read), self._acc_after  # what was read is kept only once chained
+        try:
+            records = self.pending()
+            if records:
+                self.head = self.chain.append(self.src.thread_id, self.src.run_id, self.head, records,
+                                              genesis=self.genesis)
+        except BaseException:
+            self._read, self._acc_after = read, after
+            raise
+        self.chained.update((r.ref, r.digest) for r in records)
         self.sync_seconds.append(time.perf_counter() - t0)
         return len(records)
 

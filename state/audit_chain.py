@@ -57,10 +57,13 @@ class StaleHeadError(StateError):
 
 
 # ---------------------------------------------------------------- canonical content
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def canonical(value: Any) -> bytes:
     """Sorted-key, compact, UTF-8 JSON: one byte string per JSON value, whoever encodes it."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode()
+    return _CANONICAL.encode(value).encode()  # what json.dumps(value, <the same options>) returns
 
 
 def digest_json(value: Any) -> str:
@@ -102,7 +105,8 @@ class ChainEntry:
         return self.hash == self.link(self.seq, self.kind, self.ref, self.digest, self.prev)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return _COMPACT.encode({"seq": self.seq, "kind": self.kind, "ref": self.ref, "digest": self.digest,
+                                "prev": self.prev, "hash": self.hash})
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ChainEntry:

@@ -64,7 +64,7 @@ def read_checkpoints(client: Any, cp_prefix: str, thread_id: str, *,
     pipe = client.pipeline(transaction=False)
     wanted: list[list[bytes]] = []
     for (ns, _), fields in zip(ids, hashes):
-        blob_fields = sorted(k[2:] + b"\x00" + v for k, v in fields.items() if k.startswith(b"b:"))
+        blob_fields = blob_fields_of(fields)
         wanted.append(blob_fields)
         if blob_fields:
             pipe.hmget(keys.blobs(ns), blob_fields)
@@ -72,19 +72,41 @@ def read_checkpoints(client: Any, cp_prefix: str, thread_id: str, *,
     out = []
     for (ns, cid), fields, pending, blob_fields in zip(ids, hashes, writes, wanted):
         blobs = next(blob_replies) if blob_fields else []
-        parts: list[bytes] = []
-        for k in sorted(fields):
-            parts += [k, fields[k]]
-        for name, blob in zip(blob_fields, blobs):
-            parts += [b"blob:" + name, b"\x00missing" if blob is None else b"\x01" + blob]
-        labels = {}
-        for raw_field, value in pending.items():
-            task, idx = K.parse_write_field(raw_field)
-            labels[f"{task}:{idx}"] = digest_parts([raw_field, value])
+        digest = checkpoint_digest(fields, blob_fields, blobs)
         out.append(StoredCheckpoint(ns, cid, _text(fields.get(b"run_id")) or None,
-                                    _text(fields.get(b"parent")), digest_parts(parts) if fields else "",
-                                    labels))
+                                    _text(fields.get(b"parent")), digest, write_digests(pending)))
     return out
+
+
+def blob_fields_of(fields: dict[bytes, bytes]) -> list[bytes]:
+    """The ``b:N`` fields a checkpoint hash references (``<channel>\\0<version>``), sorted."""
+    return sorted(k[2:] + b"\x00" + v for k, v in fields.items() if k.startswith(b"b:"))
+
+
+def checkpoint_digest(fields: dict[bytes, bytes], blob_fields: list[bytes], blobs: list[bytes | None]) -> str:
+    """A checkpoint's digest: its hash fields (sorted) and each referenced blob ("" if the hash is gone)."""
+    if not fields:
+        return ""
+    parts: list[bytes] = []
+    for k in sorted(fields):
+        parts += [k, fields[k]]
+    for name, blob in zip(blob_fields, blobs):
+        parts += [b"blob:" + name, b"\x00missing" if blob is None else b"\x01" + blob]
+    return digest_parts(parts)
+
+
+def write_digests(pending: dict[bytes, bytes]) -> dict[str, str]:
+    """The digest of each pending write of a writes hash, by label ``<task_id>:<idx>``."""
+    labels = {}
+    for raw_field, value in pending.items():
+        task, idx = K.parse_write_field(raw_field)
+        labels[f"{task}:{idx}"] = digest_parts([raw_field, value])
+    return labels
+
+
+def stream_digest(fields: dict[bytes, bytes]) -> str:
+    """A stream entry's digest: sorted-key JSON of its decoded fields."""
+    return digest_json({k.decode(): v.decode() for k, v in fields.items()})
 
 
 def read_stream(client: Any, key: str, after: str | None = None) -> list[tuple[str, str]]:
@@ -95,7 +117,7 @@ def read_stream(client: Any, key: str, after: str | None = None) -> list[tuple[s
         rows = client.xrange(key, min=start, max="+", count=1000)
         for entry_id, fields in rows:
             eid = entry_id.decode()
-            out.append((eid, digest_json({k.decode(): v.decode() for k, v in fields.items()})))
+            out.append((eid, stream_digest(fields)))
         if len(rows) < 1000:
             return out
         start = f"({out[-1][0]}"
