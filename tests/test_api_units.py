@@ -113,8 +113,11 @@ def test_trace_spans_per_run_node_and_llm_call():
         "langgraph.node draft",
         "langgraph.node route",
         "chat smol",
+        "prefill",
+        "decode",
     }
     chat = spans["chat smol"]
+    assert spans["prefill"].parent.span_id == spans["decode"].parent.span_id == chat.context.span_id
     assert chat.attributes["gen_ai.operation.name"] == "chat"
     assert (
         chat.attributes["gen_ai.usage.input_tokens"] == 9
