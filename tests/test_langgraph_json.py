@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,10 @@ def test_the_server_runs_both_graphs_with_acceptance_and_identical_replays(
     project: Path, engine: Any, state_server: Any
 ) -> None:
     registry = load_project(project).registry
-    with live_server(server_settings(state_server.url), engine, registry) as server:
+    # Its own queue: the session's other live servers share this Redis, and their workers (with other
+    # registries) must not take this project's runs.
+    queue = f"project-{uuid.uuid4().hex[:8]}"
+    with live_server(server_settings(state_server.url, queue_name=queue), engine, registry) as server:
         client = get_sync_client(url=server.url, api_key=KEY_A)
         assert {a["graph_id"] for a in client.assistants.search()} == {"review-reply", "review-summary"}
         http = server.http()

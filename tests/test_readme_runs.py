@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,11 @@ def snippet_server(as_loaded: Engine, state_server: Any) -> Any:
     from elesium.api.server import BackgroundServer
     from elesium.api.settings import ApiSettings
 
-    app = create_app(ApiSettings(api_keys={"key1": "readme"}, redis_url=state_server.url), engine=as_loaded)
+    # Its own queue: the session's other live servers share this Valkey, and their workers (other engines
+    # and registries) must not take the snippets' runs, nor this server's workers theirs.
+    settings = ApiSettings(api_keys={"key1": "readme"}, redis_url=state_server.url,
+                           queue_name=f"readme-{uuid.uuid4().hex[:8]}")
+    app = create_app(settings, engine=as_loaded)
     with BackgroundServer(app) as url:
         yield url
 
@@ -110,10 +115,13 @@ def test_the_sdk_and_openai_snippets_run_against_a_server(snippet_server: str, a
     namespace: dict[str, Any] = {"__name__": "readme_api"}
     printed = run_snippet(snippets["API #1"].replace(SNIPPET_URL, snippet_server), namespace)
     result = namespace["result"]
-    # The snippet ends printing the outcome, tau and the replay's verdict.
+    # The snippet prints the streamed tokens (no newline after them), then the outcome and tau, then the
+    # replay's verdict.
     lines = printed.strip().splitlines()
     assert lines[-1] == "identical", printed
-    assert lines[-2].startswith(f"{result['outcome']} ") and float(lines[-2].split()[-1]) > 0
+    done = re.search(rf"{re.escape(result['outcome'])} ([0-9.]+)$", lines[-2])
+    assert done and float(done.group(1)) > 0, printed
+    assert printed[: printed.index(done.group(0))].strip(), "the streamed tokens were not printed"
     assert result["category"] and result["final_reply"]
 
     run_snippet(snippets["API #2"].replace(SNIPPET_URL, snippet_server), namespace)
