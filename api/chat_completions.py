@@ -43,7 +43,7 @@ from elesium.api.errors import BadRequest, NotFound
 from elesium.api.events import RunChannel
 from elesium.api.execution import Services
 from elesium.api.schemas import ChatCompletionRequest
-from elesium.inference.constraints import _JSON_OPTIONS, Constraint, ConstraintError
+from elesium.inference.constraints import _JSON_OPTIONS, Constraint, ConstraintError, closed_objects
 from elesium.inference.types import GenerationRequest, generate
 
 SENTINEL = "<tool_call>"
@@ -114,19 +114,6 @@ class LarkConstraint(Constraint):
         return self._grammar
 
 
-def _closed(schema: Any) -> Any:
-    """``additionalProperties: false`` on object schemas with properties that do not say: output valid
-    under the closed schema is valid under the given one, and a small model invents no keys."""
-    if isinstance(schema, dict):
-        out = {k: _closed(v) for k, v in schema.items()}
-        if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out:
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [_closed(v) for v in schema]
-    return schema
-
-
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -153,7 +140,7 @@ def _tools(body: ChatCompletionRequest) -> list[Tool]:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object")
-        out.append(Tool(name, str(fn.get("description") or ""), _closed(params)))
+        out.append(Tool(name, str(fn.get("description") or ""), closed_objects(params)))
     return out
 
 

@@ -127,7 +127,7 @@ class JsonSchemaConstraint(Constraint):
         self.model: type[pydantic.BaseModel] | None = None
         if isinstance(schema, type) and issubclass(schema, pydantic.BaseModel):
             self.model = schema
-            self.schema = _closed_objects(schema.model_json_schema())
+            self.schema = closed_objects(schema.model_json_schema())
         elif isinstance(schema, dict):
             self.schema = copy.deepcopy(schema)
         else:
@@ -384,15 +384,16 @@ def _vocabulary(tokenizer: Tokenizer | llg.LLTokenizer, vocab_size: int | None) 
         return found
 
 
-def _closed_objects(schema: Any) -> Any:
-    """``additionalProperties: false`` on every object schema with properties that does not say."""
+def closed_objects(schema: Any) -> Any:
+    """``additionalProperties: false`` on every object schema with properties that does not say: output valid
+    under the closed schema is valid under the given one, and a small model invents no keys."""
     if isinstance(schema, dict):
-        out = {k: _closed_objects(v) for k, v in schema.items()}
+        out = {k: closed_objects(v) for k, v in schema.items()}
         if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out:
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
-        return [_closed_objects(v) for v in schema]
+        return [closed_objects(v) for v in schema]
     return schema
 
 
