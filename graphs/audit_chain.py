@@ -39,7 +39,9 @@ from elesium.state.audit_chain import DEFAULT_PREFIX as CHAIN_PREFIX
 from elesium.state.audit_chain import (
     GENESIS,
     AuditChain,
+    ChainCursor,
     ChainEntry,
+    ChainHooks,
     Head,
     Seal,
     Signer,
@@ -89,6 +91,7 @@ class RunSources:
         self.client, self.thread_id, self.run_id, self.store = client, thread_id, run_id, store
         self.cp_prefix = cp_prefix
         self.registry = registry
+        self.acceptance_log = acceptance
         self.stream_key = (acceptance or AcceptanceLog(client)).key(run_id)
         self._list_keys: dict[str, str] = {}
 
@@ -158,38 +161,62 @@ def foreign_refs(chain: AuditChain, thread_id: str, run_id: str) -> tuple[set[st
 
 
 class RunAudit:
-    """Chains one run's records as it runs (``sync`` after each super-step) and seals it at the end.
+    """Chains one run's records as it runs and seals it at the end.
 
-    Incremental: it remembers what it chained and what it read. Each sync reads only what is new: the
-    checkpoint ids of every namespace, the calls and replays lists, the acceptance stream after the
-    last chained id and the size of each writes hash already read, in one pipelined round trip; then
-    the hashes of checkpoints not read yet and the writes hashes that grew (one more); then the blobs
-    the new checkpoints reference (one more); then one compare-and-append script. Nothing already
-    read is parsed or hashed again. A retried attempt of the run starts from the stored chain;
-    compare-and-append turns a concurrent writer into :class:`StaleHeadError`."""
+    Where the writers allow it (``begin(config, checkpointer=...)``: a :class:`RedisSaver`, the
+    ``ThreadStore`` and the acceptance log of the run), the run's :class:`ChainCursor` is attached to
+    them and each record is chained by the call that writes it: checkpoints and pending writes in
+    the checkpointer's own script, LLM calls and acceptance entries right after their append. Then
+    ``sync`` after a super-step has nothing to read (issue 43's cost goal: the chain's work per
+    super-step is digesting the bytes being written). Otherwise (an async saver, a writer without
+    hooks) ``sync`` reads what is new and chains it: incremental, it remembers what it chained and
+    read, and reads the checkpoint ids of every namespace, the calls and replays lists, the
+    acceptance stream after the last chained id and the size of each writes hash already read in
+    one pipelined round trip; then the hashes of checkpoints not read yet and the writes hashes that
+    grew (one more); then the blobs the new checkpoints reference (one more); then one
+    compare-and-append script. The seal always does that read once, so whatever a writer did not
+    chain is chained before the head is signed. A retried attempt of the run starts from the stored
+    chain; compare-and-append turns a concurrent writer into :class:`StaleHeadError`."""
 
     def __init__(self, chain: AuditChain, sources: RunSources, *, signer: Signer | None = None) -> None:
         self.chain, self.src = chain, sources
         self.signer = signer
         t, r = sources.thread_id, sources.run_id
-        self.head: Head | None = chain.head(t, r)
-        self.genesis = chain.genesis(t, r) if self.head is None else GENESIS
-        entries = chain.entries(t, r) if self.head is not None else []
-        self.chained: dict[str, str] = {e.ref: e.digest for e in entries}
+        head = chain.head(t, r)
+        genesis = chain.genesis(t, r) if head is None else GENESIS
+        entries = chain.entries(t, r) if head is not None else []
         acc = [e.ref for e in entries if e.kind == "acceptance"]
         self._acc_after: str | None = acc[-1][4:] if acc else None
         self._foreign, _ = foreign_refs(chain, t, r)
+        self.cursor = ChainCursor(chain, t, r, head, genesis=genesis,
+                                  chained={e.ref: e.digest for e in entries}, foreign=self._foreign)
+        self.genesis = genesis
         self._skip: set[str] = set()
         self._touched: set[str] = set()
         self._keys = K.ThreadKeys.of(sources.cp_prefix, t)
         self._namespaces: list[str] = [K.encode_ns("")]  # the root namespace: read in the first trip
         self._read: dict[tuple[str, str], int] = {}  # checkpoints read (own or touched) -> writes read
         self._lists: dict[bytes, Record] = {}  # call / replay JSON -> its record (digested once)
+        self._attached: list[tuple[ChainHooks, str]] = []
+        self._in_writers = False
         self.sync_seconds: list[float] = []  # per sync, for the cost benchmark
 
-    def begin(self, config: Mapping[str, Any]) -> None:
+    @property
+    def head(self) -> Head | None:
+        return self.cursor.head
+
+    @head.setter
+    def head(self, value: Head | None) -> None:
+        self.cursor.head = value
+
+    @property
+    def chained(self) -> dict[str, str]:
+        return self.cursor.chained
+
+    def begin(self, config: Mapping[str, Any], *, checkpointer: Any = None) -> None:
         """Note the checkpoint the run starts from (a fork's, else the thread's newest): its new
-        pending writes are this run's."""
+        pending writes are this run's. Chain the run's identity, and attach the cursor to the
+        writers that chain as they write (``checkpointer``: the graph's saver)."""
         start = (config.get("configurable") or {}).get("checkpoint_id")
         if not start:
             keys = K.ThreadKeys.of(self.src.cp_prefix, self.src.thread_id)
@@ -197,6 +224,25 @@ class RunAudit:
             start = newest[0].decode() if newest else None
         if start:
             self._touched.add(str(start))
+        if "run" not in self.chained:
+            self.cursor.append(self.src.row())
+        saver_ok = bool(getattr(checkpointer, "chains_in_writer", False))
+        writers = [(checkpointer, self.src.thread_id)] if saver_ok else []
+        writers += [(w, self.src.run_id) for w in (self.src.store, self.src.acceptance_log) if w is not None]
+        for writer, key in writers:
+            hooks = getattr(writer, "chains", None)
+            if isinstance(hooks, ChainHooks):
+                hooks.attach(key, self.cursor)
+                self._attached.append((hooks, key))
+        self._in_writers = (saver_ok and self.src.acceptance_log is not None
+                            and len(self._attached) == 1 + (self.src.store is not None) + 1)
+
+    def close(self) -> None:
+        """Detach the cursor from the writers (the run's attempt is over, sealed or not)."""
+        for hooks, key in self._attached:
+            hooks.detach(key, self.cursor)
+        self._attached = []
+        self._in_writers = False
 
     def _list_records(self, kind: str, raws: list[bytes]) -> list[Record]:
         out = []
@@ -310,24 +356,27 @@ class RunAudit:
         return out
 
     def sync(self) -> int:
-        """Chain whatever the run wrote since the last sync; the number of entries appended."""
+        """Chain whatever the run wrote since the last sync and no writer chained; the number of
+        entries appended (none to read when the writers chain: see the class docstring)."""
         t0 = time.perf_counter()
+        n = 0 if self._in_writers else self._catch_up()
+        self.sync_seconds.append(time.perf_counter() - t0)
+        return n
+
+    def _catch_up(self) -> int:
         read, after = dict(self._read), self._acc_after  # what was read is kept only once chained
         try:
-            records = self.pending()
-            if records:
-                self.head = self.chain.append(self.src.thread_id, self.src.run_id, self.head, records,
-                                              genesis=self.genesis)
+            n = self.cursor.append(self.pending())
         except BaseException:
             self._read, self._acc_after = read, after
             raise
-        self.chained.update((r.ref, r.digest) for r in records)
-        self.sync_seconds.append(time.perf_counter() - t0)
-        return len(records)
+        return n
 
     def seal(self, status: str) -> Seal:
-        """Chain the last records and sign the head (``status``: the run's outcome or a seal status)."""
-        self.sync()
+        """Chain the last records (reading back what the run stored, once) and sign the head
+        (``status``: the run's outcome or a seal status)."""
+        self.close()
+        self._catch_up()
         signer = self.signer or signer_for()
         return self.chain.seal(self.src.thread_id, self.src.run_id, SEAL_STATUS.get(status, status), signer)
 

@@ -424,11 +424,13 @@ def recorded_calibrations(runs: RunRecords | None, run_id: str) -> dict[str, str
 class RunChain(Protocol):
     """The run's hash chain as :func:`drive` uses it (``graphs/audit_chain.RunAudit``)."""
 
-    def begin(self, config: Mapping[str, Any]) -> None: ...
+    def begin(self, config: Mapping[str, Any], *, checkpointer: Any = None) -> None: ...
 
     def sync(self) -> int: ...
 
     def seal(self, status: str) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 class Learner(Protocol):
@@ -535,15 +537,27 @@ def drive(
     :class:`~elesium.state.errors.StateError` (Redis down, lease lost: not the run's fault, so it is
     retried) propagate; any other exception from a node ends the run in ``error``.
 
-    ``audit`` (the run's hash chain) chains what each super-step wrote (checkpoints, writes, LLM
-    calls, acceptance entries) when its update arrives, and is sealed with the outcome: success,
-    error, interrupted or cancelled. A Redis failure or a lost lease leaves it unsealed: the retried
-    attempt continues the same chain.
+    ``audit`` (the run's hash chain) is attached to the graph's checkpointer for the run, so the
+    checkpoints, writes, LLM calls and acceptance entries are chained as they are written (else it
+    chains each super-step's records when its update arrives), and is sealed with the outcome:
+    success, error, interrupted or cancelled. A Redis failure or a lost lease leaves it unsealed:
+    the retried attempt continues the same chain.
     """
     thread_id = config["configurable"]["thread_id"]
     before = set(checkpoint_ids(graph, thread_id))
     if audit is not None:
-        audit.begin(config)
+        audit.begin(config, checkpointer=graph.checkpointer)
+    try:
+        return _drive(graph, graph_input, config, thread_id, before, emit=emit, cancelled=cancelled,
+                      between_steps=between_steps, stream_modes=stream_modes, audit=audit)
+    finally:
+        if audit is not None:
+            audit.close()  # an attempt that raised leaves the chain unsealed: the retry continues it
+
+
+def _drive(graph: Any, graph_input: Any, config: RunnableConfig, thread_id: str, before: set[str], *,
+           emit: Emit | None, cancelled: threading.Event | None, between_steps: Callable[[], None] | None,
+           stream_modes: Sequence[str], audit: RunChain | None) -> Outcome:
     try:
         for mode, chunk in graph.stream(graph_input, config, stream_mode=list(stream_modes)):
             if cancelled is not None and cancelled.is_set():

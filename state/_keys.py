@@ -27,6 +27,8 @@ import struct
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
+from elesium.state.audit_chain import chained_script
+
 DEFAULT_PREFIX = "elesium:cp"
 
 
@@ -165,7 +167,7 @@ end
 # KEYS: nss, idx, checkpoint hash, blobs.
 # ARGV: ns, checkpoint id, ttl_s, keep_last, thread prefix, n (#checkpoint-hash args), the n
 # checkpoint-hash field/value args, then blob field/value pairs.
-PUT = _LUA_HELPERS + r"""
+PUT_BODY = r"""
 local ttl, keep, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
 redis.call('ZADD', KEYS[1], 0, ARGV[1])
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
@@ -178,16 +180,20 @@ end
 if keep > 0 then trim_ns(ARGV[5], ARGV[1], keep) end
 return 1
 """
+PUT = _LUA_HELPERS + PUT_BODY
 
 # KEYS: writes hash. ARGV: ttl_s, then (mode, field, value) triples; mode 'n' keeps an existing
 # field (regular writes are idempotent per (task, idx)), 's' overwrites (special channels).
+# Returns, per triple, 1 if its value is now stored, 0 if an earlier one was kept (the audit chain
+# digests only what is stored).
 PUT_WRITES = r"""
+local stored = {}
 for i = 2, #ARGV, 3 do
-  if ARGV[i] == 'n' then redis.call('HSETNX', KEYS[1], ARGV[i + 1], ARGV[i + 2])
-  else redis.call('HSET', KEYS[1], ARGV[i + 1], ARGV[i + 2]) end
+  if ARGV[i] == 'n' then stored[#stored + 1] = redis.call('HSETNX', KEYS[1], ARGV[i + 1], ARGV[i + 2])
+  else redis.call('HSET', KEYS[1], ARGV[i + 1], ARGV[i + 2]); stored[#stored + 1] = 1 end
 end
 if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
-return 1
+return stored
 """
 
 # KEYS: idx, blobs. ARGV: thread prefix, ns, mode ('id' | 'page'), id-or-before, count.
@@ -268,6 +274,9 @@ return deleted
 SCRIPTS: dict[str, str] = {
     "put": PUT,
     "put_writes": PUT_WRITES,
+    # The same write with the run's audit-chain entries pushed in the same call: the checkpoint's
+    # and those of the pending writes stored since the last one (state/audit_chain.py).
+    "put_chained": chained_script(PUT_BODY, helpers=_LUA_HELPERS),
     "read": READ,
     "prune": PRUNE,
     "dump": DUMP,

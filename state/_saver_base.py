@@ -30,6 +30,8 @@ from langgraph.checkpoint.base import (
 )
 
 from elesium.state import _keys as K
+from elesium.state.audit_chain import ChainCursor, ChainHooks, digest_parts
+from elesium.state.audit_records import blob_fields_of, checkpoint_digest
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,29 @@ class Emit:
     item: CheckpointTuple
 
 
-Request = ScriptCall | Command | Scan | Transaction
+@dataclass(frozen=True)
+class ChainedCall:
+    """Run the Lua script ``name`` with ``records`` ((kind, ref, digest) each) chained by ``cursor`` in
+    the same call (the ``<name>_chained`` script; :meth:`ChainCursor.run_chained`)."""
+
+    name: str
+    keys: list[str]
+    args: list[Any]
+    cursor: ChainCursor
+    records: list[tuple[str, str, str]]
+
+
+Request = ScriptCall | Command | Scan | Transaction | ChainedCall
 Op = Generator[Request | Emit, Any, Any]
 
 
 def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _bytes(value: Any) -> bytes:
+    """What Redis stores for an argument (the client encodes str as UTF-8, numbers as their text)."""
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def _text(raw: bytes | str) -> str:
@@ -111,6 +130,7 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
         self.prefix = prefix
         self.ttl_s = int(ttl_s or 0)
         self.keep_last = int(keep_last or 0)
+        self.chains = ChainHooks()  # by thread id: the cursor of the run writing there (audit chain)
 
     def _where(self, thread_id: str | None = None) -> str:
         return f"the checkpoint keys {K.ThreadKeys.of(self.prefix, thread_id or '*').prefix}*"
@@ -254,12 +274,44 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
                     K.blob_field(channel, str(version)),
                     K.pack_typed(self.serde.dumps_typed(values[channel])),
                 ]
-        yield ScriptCall(
-            "put",
-            [keys.nss, keys.idx(nse), keys.checkpoint(nse, cid), keys.blobs(nse)],
-            [nse, cid, self.ttl_s, self.keep_last, keys.prefix, len(fields), *fields, *blobs],
-        )
+        script_keys = [keys.nss, keys.idx(nse), keys.checkpoint(nse, cid), keys.blobs(nse)]
+        args = [nse, cid, self.ttl_s, self.keep_last, keys.prefix, len(fields), *fields, *blobs]
+        cursor = self.chains.get(thread_id)
+        if cursor is not None and meta.get("run_id") == cursor.run_id:
+            fresh = {K.blob_field(channel, str(version)) for channel, version in new_versions.items()}
+            digest = yield from self._checkpoint_digest(cursor, keys.blobs(nse), nse, fields, blobs, fresh)
+            yield ChainedCall("put", script_keys, args, cursor, [("checkpoint", f"cp:{nse}:{cid}", digest)])
+        else:
+            yield ScriptCall("put", script_keys, args)
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid}}
+
+    @staticmethod
+    def _checkpoint_digest(cursor: ChainCursor, blobs_key: str, nse: str, fields: list[Any],
+                           blobs: list[Any], fresh: set[bytes]) -> Generator[Request, Any, str]:
+        """The digest ``verify_run`` will compute of this checkpoint once stored: its hash fields and
+        every blob it references, from this write's new blobs or the cursor's copy of the channel's
+        current one (fetched once when an earlier run wrote it). ``fresh``: the blob fields of the
+        versions this checkpoint creates; one not written has no value (a trigger channel) and no
+        blob anywhere, since versions are unique."""
+        stored = {_bytes(fields[i]): _bytes(fields[i + 1]) for i in range(0, len(fields), 2)}
+        names = blob_fields_of(stored)
+        written = {_bytes(blobs[i]): _bytes(blobs[i + 1]) for i in range(0, len(blobs), 2)}
+        got: dict[bytes, bytes | None] = {}
+        missing = []
+        for name in names:
+            channel = name.partition(b"\x00")[0].decode()
+            held = cursor.blobs.get((nse, channel))
+            if name in written or name in fresh:
+                got[name] = written.get(name)
+            elif held is not None and held[0] == name:
+                got[name] = held[1]
+            else:
+                missing.append(name)
+        if missing:
+            got.update(zip(missing, (yield Command(("HMGET", blobs_key, *missing)))))
+        for name in names:  # a channel without a value (a trigger) has no blob: remembered as None
+            cursor.blobs[(nse, name.partition(b"\x00")[0].decode())] = (name, got[name])
+        return checkpoint_digest(stored, names, [got[name] for name in names])
 
     def _op_put_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str
@@ -274,7 +326,15 @@ class RedisSaverBase(BaseCheckpointSaver[str]):
             idx = WRITES_IDX_MAP.get(channel, i)
             packed = K.pack_write(task_path, channel, self.serde.dumps_typed(value))
             args += ["n" if idx >= 0 else "s", K.write_field(task_id, idx), packed]
-        yield ScriptCall("put_writes", [key], args)
+        stored = yield ScriptCall("put_writes", [key], args)
+        cursor = self.chains.get(str(conf["thread_id"]))
+        if cursor is not None and isinstance(stored, list):
+            # Chained with the next checkpoint (same script), or by the run's next append or seal.
+            # A write already there kept its earlier value, not this one: the seal's read-back has it.
+            ref = f"w:{K.encode_ns(conf.get('checkpoint_ns', ''))}:{conf['checkpoint_id']}:{task_id}:"
+            cursor.defer([("writes", f"{ref}{K.parse_write_field(args[i + 1])[1]}",
+                           digest_parts([args[i + 1], args[i + 2]]))
+                          for n, i in enumerate(range(1, len(args), 3)) if int(stored[n])])
         return None
 
     def _op_prune(self, thread_ids: Sequence[str], keep: int) -> Op:

@@ -32,6 +32,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from elesium.state.audit_chain import ChainHooks, digest_json
 from elesium.state.connection import connect, default_url, describe
 from elesium.state.errors import translate_errors
 
@@ -283,6 +284,7 @@ class AcceptanceLog:
         self.prefix = prefix
         self.retention = retention if retention is not None else Retention()
         self._target = target
+        self.chains = ChainHooks()  # by run id: the run's audit cursor, which chains what is appended
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> AcceptanceLog:
@@ -301,7 +303,17 @@ class AcceptanceLog:
         with self._guard(entry.run_id):
             key, fields = self.key(entry.run_id), entry.to_fields()
             entry_id = self.client.xadd(key, fields, **self.retention.xadd_kwargs())
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        self._chain(entry.run_id, [(eid, fields)])
+        return eid
+
+    def _chain(self, run_id: str, written: Sequence[tuple[str, Mapping[str, str]]]) -> None:
+        """Chain entries just appended, when the run's cursor is attached: the stream is in the run's
+        slot, not the thread's, so this is a call of its own, once per append (an LLM call's steps)."""
+        cursor = self.chains.get(run_id)
+        if cursor is not None and written:
+            cursor.append([("acceptance", f"acc:{eid}", digest_json(dict(fields)))
+                           for eid, fields in written])
 
     def append_many(
         self, entries: Sequence[AcceptanceEntry], *, once: tuple[str, str] | None = None
@@ -324,6 +336,9 @@ class AcceptanceLog:
                 return []
             for i, reply in zip(positions, replies):
                 ids[i] = reply.decode() if isinstance(reply, bytes) else str(reply)
+            if self.chains.get(run_id) is not None:
+                stored = [self._fields(entries[i]) for i in positions]
+                self._chain(run_id, [(ids[i], dict(zip(f[::2], f[1::2]))) for i, f in zip(positions, stored)])
         return [ids[i] for i in range(len(entries))]
 
     def _fields(self, entry: AcceptanceEntry) -> list[str]:

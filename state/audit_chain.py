@@ -35,6 +35,7 @@ import base64
 import hashlib
 import hmac
 import json
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -73,11 +74,8 @@ def digest_json(value: Any) -> str:
 
 def digest_parts(parts: Iterable[bytes]) -> str:
     """SHA-256 over byte strings, each length-prefixed so no two sequences collide (stored bytes)."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(len(part).to_bytes(8, "big"))
-        h.update(part)
-    return h.hexdigest()
+    framed = [x for part in parts for x in (len(part).to_bytes(8, "big"), part)]
+    return hashlib.sha256(b"".join(framed)).hexdigest()  # one update: what update() per part hashes
 
 
 @dataclass(frozen=True)
@@ -95,9 +93,17 @@ class ChainEntry:
     def link(seq: int, kind: str, ref: str, digest: str, prev: str) -> str:
         return digest_json([seq, kind, ref, digest, prev])
 
+    @staticmethod
+    def fast_link(seq: int, kind: str, ref: str, digest: str, prev: str) -> str:
+        """:meth:`link` for an int ``seq`` and hex ``digest``/``prev`` (every appender's case), without
+        the general encoder: the writers chain inside the checkpoint write, where microseconds count.
+        Equal to :meth:`link` (tested on random input)."""
+        text = f'[{seq},{_CANONICAL.encode(kind)},{_CANONICAL.encode(ref)},"{digest}","{prev}"]'
+        return hashlib.sha256(text.encode()).hexdigest()
+
     @classmethod
     def make(cls, seq: int, kind: str, ref: str, digest: str, prev: str) -> ChainEntry:
-        return cls(seq, kind, ref, digest, prev, cls.link(seq, kind, ref, digest, prev))
+        return cls(seq, kind, ref, digest, prev, cls.fast_link(seq, kind, ref, digest, prev))
 
     @property
     def intact(self) -> bool:
@@ -107,6 +113,11 @@ class ChainEntry:
     def to_json(self) -> str:
         return _COMPACT.encode({"seq": self.seq, "kind": self.kind, "ref": self.ref, "digest": self.digest,
                                 "prev": self.prev, "hash": self.hash})
+
+    def fast_json(self) -> str:
+        """:meth:`to_json` for hex ``digest``/``prev``/``hash`` (equal to it: tested on random input)."""
+        return (f'{{"seq":{self.seq},"kind":{_COMPACT.encode(self.kind)},"ref":{_COMPACT.encode(self.ref)},'
+                f'"digest":"{self.digest}","prev":"{self.prev}","hash":"{self.hash}"}}')
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ChainEntry:
@@ -248,6 +259,171 @@ return #ARGV - 3
 """
 
 
+# A writer's own script, chained: the writer's KEYS and ARGV, then the chain's three keys and
+# (expected head, new head, run id, entries..., entry count) appended; :func:`chained_script` wraps
+# the writer's Lua so the head is compared before anything is written and the entries are pushed
+# after it, in the same atomic call. ``chain_ok`` (a precheck may clear it) says whether they are.
+_CHAINED_PRELUDE = r"""
+local n_entries = tonumber(ARGV[#ARGV])
+local base_n = #ARGV - n_entries - 4
+local chain_keys = {KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]}
+local stated, new_head, chain_run = ARGV[base_n + 1], ARGV[base_n + 2], ARGV[base_n + 3]
+local cur = redis.call('GET', chain_keys[2]) or ''
+if cur ~= stated then
+  return redis.error_reply('STALEHEAD the chain head is ' .. (cur == '' and 'absent' or cur))
+end
+local chain_entries = {unpack(ARGV, base_n + 4, base_n + 3 + n_entries)}
+local KEYS = {unpack(KEYS, 1, #KEYS - 3)}
+local ARGV = {unpack(ARGV, 1, base_n)}
+local chain_ok = true
+"""
+
+_CHAINED_TAIL = r"""
+if not chain_ok then return 0 end
+if cur == '' then redis.call('RPUSH', chain_keys[3], chain_run) end
+redis.call('RPUSH', chain_keys[1], unpack(chain_entries))
+redis.call('SET', chain_keys[2], new_head)
+return 1
+"""
+MAX_CHAINED = 200
+"""Entries one writer's script chains at most (Lua's unpack); a bigger write chains them apart."""
+
+
+def chained_script(body: str, *, helpers: str = "", precheck: str = "") -> str:
+    """``body`` (a writer's script, which may ``return``) run between the head check and the append.
+
+    ``helpers``: Lua defined before it (local functions the body calls); ``precheck``: Lua run after
+    the head check and before the body, which may set ``chain_ok = false`` (the writer writes, the
+    entries are not pushed, the script returns 0 and the caller leaves those records unchained)."""
+    return (helpers + _CHAINED_PRELUDE + precheck + "\nlocal function body()\n" + body + "\nend\nbody()\n"
+            + _CHAINED_TAIL)
+
+
+class ChainCursor:
+    """One run's chain head, held by the process running the run and shared by its writers.
+
+    Why: chaining after the fact means reading back what was just written (round trips that cost
+    as much as the checkpoint write itself). A writer that holds the cursor digests the bytes it is
+    about to write and pushes their entries in the same script as the write (:func:`chained_script`,
+    the keys share the thread's hash tag), or right after it for records in another slot (the
+    acceptance stream). The lock orders the run's writers (parallel tasks write at once); the script
+    still compares the stored head, so a second process extending the chain is
+    :class:`StaleHeadError`, never a fork.
+
+    ``chained``: ref -> digest of every entry of the chain (shared with ``RunAudit``, which chains at
+    the seal whatever no writer did); ``foreign``: refs other runs of the thread chained (writes on
+    their checkpoints stay theirs); ``blobs``: the newest stored bytes of each (namespace, channel),
+    which every later checkpoint's digest includes until the channel changes.
+    """
+
+    def __init__(self, chain: AuditChain, thread_id: str, run_id: str, head: Head | None, *,
+                 genesis: str = GENESIS, chained: dict[str, str] | None = None,
+                 foreign: set[str] | None = None) -> None:
+        self.chain, self.thread_id, self.run_id = chain, thread_id, run_id
+        self.head, self.genesis = head, genesis
+        self.chained: dict[str, str] = chained if chained is not None else {}
+        self.foreign: set[str] = foreign if foreign is not None else set()
+        self.blobs: dict[tuple[str, str], tuple[bytes, bytes | None]] = {}  # (ns, channel) -> (field, bytes)
+        self.lock = threading.Lock()
+        self.keys = [chain.key(thread_id, "chain", run_id), chain.key(thread_id, "head", run_id),
+                     chain.key(thread_id, "runs")]
+        self.deferred: list[tuple[str, str, str]] = []  # stored, chained with the next append
+
+    def defer(self, records: Sequence[tuple[str, str, str]]) -> None:
+        """Chain ``records`` (already stored) with the next append: the next checkpoint's script, a
+        call's or the seal's. Pending writes take this way: one chain push a super-step, not one per
+        task (a crash in between leaves them to the retried attempt's seal, which reads them back)."""
+        if records:
+            with self.lock:
+                self.deferred.extend(records)
+
+    def wanted(self, records: Sequence[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+        """The records not chained yet (by this run or, for writes, by another)."""
+        seen: set[str] = set()
+        out = []
+        for rec in records:
+            ref = rec[1]
+            if ref in self.chained or ref in seen or (rec[0] == "writes" and ref in self.foreign):
+                continue
+            seen.add(ref)
+            out.append(rec)
+        return out
+
+    def _tail(self, records: Sequence[tuple[str, str, str]]) -> tuple[list[Any], Head]:
+        head = self.head or Head(0, self.genesis)
+        prev, seq, entries = head.hash, head.count, []
+        for kind, ref, digest in records:
+            entry = ChainEntry.make(seq, kind, ref, digest, prev)
+            entries.append(entry.fast_json())
+            prev, seq = entry.hash, seq + 1
+        new = Head(seq, prev)
+        stated = "" if self.head is None else self.head.encode()
+        return [stated, new.encode(), self.run_id, *entries, len(entries)], new
+
+    def _stale(self, exc: redis.exceptions.ResponseError) -> Exception:
+        if "STALEHEAD" in str(exc):
+            stated = self.head.encode() if self.head else "absent"
+            return StaleHeadError(f"run {self.run_id}: {str(exc).partition(' ')[2]}, not {stated}; "
+                                  "another writer extended it")
+        return exc
+
+    def run_chained(self, plain: Any, chained: Any, keys: list[Any], args: list[Any],
+                    records: Sequence[tuple[str, str, str]]) -> Any:
+        """Run a writer's script with ``records`` chained in the same call (``plain``: the script
+        without the chain, when nothing is left to chain). Returns the plain script's reply, or
+        whether the records were chained (1 / 0) for the chained one."""
+        with self.lock:
+            todo = self.wanted([*self.deferred, *records])
+            if not todo or len(todo) > MAX_CHAINED:
+                reply = plain(keys=keys, args=args)
+                if todo:
+                    self._append_locked(todo)
+                self.deferred = []
+                return reply
+            tail, new = self._tail(todo)
+            try:
+                reply = chained(keys=[*keys, *self.keys], args=[*args, *tail])
+            except redis.exceptions.ResponseError as exc:
+                raise self._stale(exc) from None
+            if reply:
+                self.head = new
+                self.chained.update((ref, digest) for _, ref, digest in todo)
+                self.deferred = []
+            return reply
+
+    def append(self, records: Sequence[tuple[str, str, str]] = ()) -> int:
+        """Chain records written elsewhere (another slot), after the deferred ones; the number chained."""
+        with self.lock:
+            n = self._append_locked(self.wanted([*self.deferred, *records]))
+            self.deferred = []
+            return n
+
+    def _append_locked(self, todo: list[tuple[str, str, str]]) -> int:
+        if todo:
+            self.head = self.chain.append(self.thread_id, self.run_id, self.head, todo, genesis=self.genesis)
+            self.chained.update((ref, digest) for _, ref, digest in todo)
+        return len(todo)
+
+
+class ChainHooks:
+    """The cursors attached to one writer (a checkpointer, a store, a log), by the id it is keyed on
+    (a thread id for the checkpointer, a run id for the others). A writer with no cursor for an id
+    writes as before; the run's ``RunAudit`` chains its records at the seal."""
+
+    def __init__(self) -> None:
+        self._cursors: dict[str, ChainCursor] = {}
+
+    def attach(self, key: str, cursor: ChainCursor) -> None:
+        self._cursors[key] = cursor
+
+    def detach(self, key: str, cursor: ChainCursor) -> None:
+        if self._cursors.get(key) is cursor:
+            del self._cursors[key]
+
+    def get(self, key: str) -> ChainCursor | None:
+        return self._cursors.get(key) if self._cursors else None
+
+
 class AuditChain:
     """Per-run hash chains and their seals (module docstring).
 
@@ -262,7 +438,7 @@ class AuditChain:
         self._target = target
         self._append = client.register_script(_APPEND)
 
-    def _key(self, thread_id: str, kind: str, run_id: str | None = None) -> str:
+    def key(self, thread_id: str, kind: str, run_id: str | None = None) -> str:
         tail = "" if run_id is None else ":" + quote(run_id, safe="")
         return f"{self.prefix}:{{{quote(thread_id, safe='') or '%'}}}:{kind}{tail}"
 
@@ -276,18 +452,18 @@ class AuditChain:
     # -- reading
     def head(self, thread_id: str, run_id: str) -> Head | None:
         with self._guard():
-            raw = self.client.get(self._key(thread_id, "head", run_id))
+            raw = self.client.get(self.key(thread_id, "head", run_id))
         return Head.decode(raw) if raw else None
 
     def entries(self, thread_id: str, run_id: str) -> list[ChainEntry]:
         with self._guard():
-            rows = self.client.lrange(self._key(thread_id, "chain", run_id), 0, -1)
+            rows = self.client.lrange(self.key(thread_id, "chain", run_id), 0, -1)
         return [ChainEntry.from_json(r) for r in rows]
 
     def runs(self, thread_id: str) -> list[str]:
         """The thread's chained runs, in the order their chains began."""
         with self._guard():
-            return [r.decode() for r in self.client.lrange(self._key(thread_id, "runs"), 0, -1)]
+            return [r.decode() for r in self.client.lrange(self.key(thread_id, "runs"), 0, -1)]
 
     def genesis(self, thread_id: str, run_id: str) -> str:
         """Where a new chain of ``run_id`` starts: the head of the thread's latest other chained run."""
@@ -317,8 +493,8 @@ class AuditChain:
                 entries.append(entry.to_json())
                 prev, seq = entry.hash, seq + 1
             new = Head(seq, prev)
-            keys = [self._key(thread_id, "chain", run_id), self._key(thread_id, "head", run_id),
-                    self._key(thread_id, "runs")]
+            keys = [self.key(thread_id, "chain", run_id), self.key(thread_id, "head", run_id),
+                    self.key(thread_id, "runs")]
             stated = "" if expected is None and start == 0 else head.encode()
             try:
                 with self._guard():
@@ -355,8 +531,8 @@ class AuditChain:
         """Remove one run's chain, head, index entry and seal (retention's purge)."""
         with self._guard():
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self._key(thread_id, "chain", run_id), self._key(thread_id, "head", run_id))
-            pipe.lrem(self._key(thread_id, "runs"), 0, run_id)
+            pipe.delete(self.key(thread_id, "chain", run_id), self.key(thread_id, "head", run_id))
+            pipe.lrem(self.key(thread_id, "runs"), 0, run_id)
             pipe.execute()
             self.client.hdel(self.seals_key, run_id)
 
@@ -366,8 +542,8 @@ class AuditChain:
         with self._guard():
             pipe = self.client.pipeline(transaction=True)
             for rid in run_ids:
-                pipe.delete(self._key(thread_id, "chain", rid), self._key(thread_id, "head", rid))
-            pipe.delete(self._key(thread_id, "runs"))
+                pipe.delete(self.key(thread_id, "chain", rid), self.key(thread_id, "head", rid))
+            pipe.delete(self.key(thread_id, "runs"))
             pipe.execute()
             if run_ids:
                 self.client.hdel(self.seals_key, *run_ids)

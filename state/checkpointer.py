@@ -30,6 +30,7 @@ from langgraph.checkpoint.base import (
 
 from elesium.state import _keys as K
 from elesium.state._saver_base import (
+    ChainedCall,
     Command,
     Emit,
     Op,
@@ -55,6 +56,11 @@ class RedisSaver(RedisSaverBase):
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` with ``decode_responses`` off.
         **options: ``prefix``, ``ttl_s``, ``keep_last``, ``serde`` (see ``RedisSaverBase``).
     """
+
+    chains_in_writer = True
+    """A run's audit cursor may be attached (``chains``): its checkpoints and writes are chained in
+    the script that stores them. The async saver has none: a lock held across an await would stall
+    its loop, so runs on it are chained from what they stored (``RunAudit.sync``)."""
 
     def __init__(self, client: Any, *, target: str = "the configured server", **options: Any) -> None:
         super().__init__(**options)
@@ -86,6 +92,9 @@ class RedisSaver(RedisSaverBase):
     def _execute(self, req: Request) -> Any:
         if isinstance(req, ScriptCall):
             return self._scripts[req.name](keys=req.keys, args=req.args)
+        if isinstance(req, ChainedCall):
+            return req.cursor.run_chained(self._scripts[req.name], self._scripts[f"{req.name}_chained"],
+                                          req.keys, req.args, req.records)
         if isinstance(req, Command):
             return self.client.execute_command(*req.args)
         if isinstance(req, Scan):
@@ -268,7 +277,7 @@ class AsyncRedisSaver(RedisSaverBase):
 
     # ------------------------------------------------------------ driver
     async def _execute(self, req: Request) -> Any:
-        if isinstance(req, ScriptCall):
+        if isinstance(req, ScriptCall | ChainedCall):  # no cursor is attached here: see chains_in_writer
             return await self._scripts[req.name](keys=req.keys, args=req.args)
         if isinstance(req, Command):
             return await self.client.execute_command(*req.args)

@@ -23,7 +23,7 @@ from typing import Any
 import redis.exceptions
 
 from elesium.state import _keys as K
-from elesium.state._saver_base import Request, ScriptCall
+from elesium.state._saver_base import ChainedCall, Request, ScriptCall
 from elesium.state.acceptance_log import APPEND_SCRIPT, AcceptanceEntry, AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
 from elesium.state.errors import LeaseLostError, translate_errors
@@ -40,7 +40,7 @@ if redis.call('GET', __fence_key) ~= __token then
 end
 """
 
-_FENCED_SCRIPTS = ("put", "put_writes")
+_FENCED_SCRIPTS = ("put", "put_writes", "put_chained")
 
 # KEYS: stream (, fence). ARGV: attempt, node id, call index (, token). Deletes that call's entries of
 # other attempts.
@@ -86,14 +86,23 @@ class FencedSaver(RedisSaver):
         self._fenced = {name: client.register_script(_FENCE_CHECK + K.SCRIPTS[name])
                         for name in _FENCED_SCRIPTS}
 
-    def _execute(self, req: Request) -> Any:
-        if isinstance(req, ScriptCall) and req.name in self._fenced:
+    def _script(self, name: str) -> Any:
+        """The fenced script ``name`` as a callable of the writer's own keys and args."""
+        def call(*, keys: list[Any], args: list[Any]) -> Any:
             try:
-                return self._fenced[req.name](keys=[*req.keys, self.fence_key], args=[*req.args, self.token])
+                return self._fenced[name](keys=[*keys, self.fence_key], args=[*args, self.token])
             except redis.exceptions.ResponseError as exc:
                 if _is_fenced(exc):
                     raise LeaseLostError(f"checkpoint write refused: {exc}") from None
                 raise
+        return call
+
+    def _execute(self, req: Request) -> Any:
+        if isinstance(req, ScriptCall) and req.name in self._fenced:
+            return self._script(req.name)(keys=req.keys, args=req.args)
+        if isinstance(req, ChainedCall):  # the fence checked first, then the chain's head, then the write
+            return req.cursor.run_chained(self._script(req.name), self._script(f"{req.name}_chained"),
+                                          req.keys, req.args, req.records)
         return super()._execute(req)
 
 

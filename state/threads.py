@@ -54,6 +54,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, Field
 
+from elesium.state.audit_chain import ChainHooks, digest_json
 from elesium.state.connection import connect, default_url, describe
 from elesium.state.errors import translate_errors
 
@@ -240,6 +241,7 @@ class ThreadStore:
         self._p = prefix + ":"
         self._target = target
         self._threads: dict[str, str] = {}
+        self.chains = ChainHooks()  # by run id: the run's audit cursor (add_call chains the call)
 
     @classmethod
     def from_url(cls, url: str | None = None, **options: Any) -> ThreadStore:
@@ -567,9 +569,15 @@ class ThreadStore:
             pipe.execute()
 
     def add_call(self, run_id: str, call: dict[str, Any]) -> None:
-        """Append one finished LLM call (as it finishes, so a worker's death loses none)."""
+        """Append one finished LLM call (as it finishes, so a worker's death loses none), chained
+        right after when the run's audit cursor is attached (``chains``, by run id)."""
+        raw = json.dumps(call)
         with self._guard():
-            self.client.rpush(self._list_key(run_id, "calls"), json.dumps(call))
+            self.client.rpush(self._list_key(run_id, "calls"), raw)
+        cursor = self.chains.get(run_id)
+        if cursor is not None:
+            value = json.loads(raw)  # what a reader decodes, so the digest is the verifier's
+            cursor.append([("call", f"call:{value.get('node')}#{value.get('call')}", digest_json(value))])
 
     def calls(self, run_id: str) -> list[dict[str, Any]]:
         key = self._r(run_id, "calls")

@@ -215,7 +215,7 @@ def _tamper(case, api_server, tid, rid):
         from elesium.state.audit_chain import AuditChain
 
         chain = AuditChain(r)
-        key = chain._key(tid, "chain", rid)  # noqa: SLF001
+        key = chain.key(tid, "chain", rid)
         r.lrem(key, 1, r.lindex(key, 2))
         return "chain", None, 2
     if case == "forged_seal":
