@@ -312,6 +312,16 @@ class Services:
             previous = self.store.list_runs(thread.thread_id, thread.tenant, limit=1)
             requested = previous[0].request.get("mode") if previous else None
         request["mode"] = self.decode_mode(requested or self.engine.default_mode)
+        # Recording every drafted tree (the console's tree view): asked per run; a resume or fork
+        # without it continues as the thread's last run did, like the mode.
+        record = configurable.get("record_trees")
+        if record is not None and not isinstance(record, bool):
+            raise InvalidRequest("configurable.record_trees must be true or false")
+        if record is None and "input" not in request:
+            last = self.store.list_runs(thread.thread_id, thread.tenant, limit=1)
+            record = bool(last and last[0].request.get("record_trees"))
+        if record:  # only when on: the requests of runs without it stay as they were
+            request["record_trees"] = True
         row = RunRow(
             run_id=str(uuid.uuid4()),
             thread_id=thread.thread_id,

@@ -25,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from elesium.graphs.audit_chain import open_run_audit
+from elesium.graphs.context import set_record_trees
 from elesium.graphs.execution import (
     EngineMismatchError,
     RunCancelled,
@@ -125,6 +126,8 @@ class ApiRunExecutor:
             # holds them), so its remaining calls build the trees the dead attempt would have.
             calibrator=svc.calibrator, calibrations=recorded_calibrations(svc.runs_registry, run_id),
         )
+        # Every drafted tree in the acceptance log when the run or its workflow asks (console tree view).
+        set_record_trees(config, bool(row.request.get("record_trees")) or wf.record_trees)
         if trace is not None:
             config["callbacks"] = trace.callbacks  # a span per node execution, on the task's own thread
         point = resume_point(graph, config, run_id)

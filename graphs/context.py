@@ -41,6 +41,9 @@ class RunContext:
             run's recorded versions when it resumes or is re-executed, so its trees are the same).
         calibrator: picks each node's tree policy (:class:`elesium.graphs.calibration.NodeCalibrator`);
             None: every node uses the engine's global policy.
+        record_trees: whether the run's tree-decoding calls record every drafted node of every step in
+            the acceptance log (the console's step-by-step tree view); off by default, since a tree
+            costs more log bytes than the step it belongs to. It changes no token.
     """
 
     run_id: str
@@ -52,6 +55,7 @@ class RunContext:
     workflow: str = ""
     calibrations: dict[str, str] = field(default_factory=dict)
     calibrator: Any = None
+    record_trees: bool = False
 
 
 def run_config(
@@ -66,6 +70,7 @@ def run_config(
     workflow: str = "",
     calibrator: Any = None,
     calibrations: Mapping[str, str] | None = None,
+    record_trees: bool = False,
     **config: Any,
 ) -> RunnableConfig:
     """A LangGraph config for one run: pass it to ``graph.invoke`` / ``graph.stream``.
@@ -77,6 +82,7 @@ def run_config(
     ctx = RunContext(
         run_id=run_id, seed=int(run_seed), engine=engine, tenant=tenant, log=log, mode=mode,
         workflow=workflow, calibrations=dict(calibrations or {}), calibrator=calibrator,
+        record_trees=record_trees,
     )
     configurable = dict(config.pop("configurable", None) or {})
     configurable.update(
@@ -89,6 +95,12 @@ def run_config(
         }
     )
     return RunnableConfig(**config, configurable=configurable)
+
+
+def set_record_trees(config: Mapping[str, Any], on: bool = True) -> None:
+    """Turn tree recording on (or off) for the run ``config`` belongs to (see ``RunContext.record_trees``):
+    for drivers that build the config elsewhere and decide per run or per workflow."""
+    get_run_context(config).record_trees = bool(on)
 
 
 def get_run_context(config: Mapping[str, Any] | None) -> RunContext:

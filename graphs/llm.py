@@ -118,6 +118,9 @@ def call_llm(
     constrained = not spec.free_text
     decode_mode = mode or ctx.mode
     policy = node_policy(ctx, node, decode_mode)  # the node's calibrated tree policy, if any
+    if ctx.record_trees and hasattr(ctx.engine, "policy"):
+        # The same policy (node's or engine's), asked to keep each step's whole tree in its record.
+        policy = dataclasses.replace(policy or ctx.engine.policy, record_trees=True)
 
     message_id = f"{ctx.run_id}:{node}:{call_index}"
     lc_messages: list[BaseMessage] = [SystemMessage(content=system)] if system else []

@@ -41,6 +41,9 @@ class Workflow:
         input_model: validates a run's input; its fields seed the initial state.
         state_schema: the graph's state type.
         resume_model: validates the value a human sends to resume an ``interrupt`` (None: any JSON).
+        record_trees: every run of the workflow records each decode step's whole drafted tree in the
+            acceptance log (a run can also ask for it: ``configurable.record_trees``). Not part of the
+            version: it changes what is logged, never a token.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Workflow:
     graph_id: str
     factory: Callable[[], StateGraph] = field(repr=False, compare=False)
     resume_model: type[BaseModel] | None = None
+    record_trees: bool = False
 
     @classmethod
     def define(
@@ -63,6 +67,7 @@ class Workflow:
         description: str,
         label: str | None = None,
         resume_model: type[BaseModel] | None = None,
+        record_trees: bool = False,
     ) -> Workflow:
         """Build the graph once to check it and hash it."""
         builder = factory()
@@ -89,6 +94,7 @@ class Workflow:
             graph_id=name,
             factory=factory,
             resume_model=resume_model,
+            record_trees=record_trees,
         )
 
     def build(self, checkpointer: Any = None) -> CompiledStateGraph:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from elesium.errors import UserError
 from elesium.graphs.audit_chain import AuditVerdict, open_run_audit, verify_run
 from elesium.graphs.calibration import NodeCalibrator
+from elesium.graphs.context import set_record_trees
 from elesium.graphs.execution import EngineMismatchError, RunEngine, check_engine, drive, learn, run_config
 from elesium.graphs.registry import Registry, Workflow
 from elesium.graphs.seeds import fresh_run_seed
@@ -98,6 +99,8 @@ class WorkflowRunner:
         registry: where workflow names resolve (default: the shipped workflows).
         mode: decode mode for nodes that do not pin one (None: the engine's default).
         prefix: key root for checkpoints, run records and acceptance streams (tests isolate by it).
+        record_trees: record every drafted tree of every run's decode steps (workflows can ask for it
+            themselves: ``Workflow.define(..., record_trees=True)``).
     """
 
     def __init__(
@@ -108,12 +111,14 @@ class WorkflowRunner:
         registry: Registry | None = None,
         mode: str | None = None,
         prefix: str = "elesium",
+        record_trees: bool = False,
     ) -> None:
         url = redis_url or default_url()
         self.prefix = prefix
         self.engine = engine
         self.registry = registry or default_registry()
         self.mode = mode
+        self.record_trees = record_trees
         self.saver = RedisSaver.from_url(url, prefix=f"{prefix}:cp")
         self.runs = RunRegistry.from_url(url, prefix=f"{prefix}:runs")
         # The audit trail of a run is kept whole: replay compares every step.
@@ -200,6 +205,7 @@ class WorkflowRunner:
                             tenant=record.tenant, log=self.log, mode=record.engine.get("mode") or self.mode,
                             workflow=wf.name,
                             calibrator=self.calibrator, calibrations=record.calibrations)
+        set_record_trees(config, self.record_trees or wf.record_trees)
         result = RunResult(run_id=record.run_id, thread_id=thread_id, workflow=wf.name,
                            workflow_version=wf.version, status="failed", seed=seed,
                            fingerprint=dict(record.engine))

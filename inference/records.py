@@ -31,6 +31,34 @@ def normalize_mode(name: str) -> DecodeMode:
 
 
 @dataclass(frozen=True)
+class DraftTree:
+    """Every node of the tree one step drafted and verified (recorded only when a run opts in).
+
+    Node 0 is the root: the token chosen before the step (the last step's bonus, or the prefill's
+    token), which is committed already; nodes 1.. are the heads' drafts in the verified order
+    (``StepRecord.accepted_nodes`` index them).
+
+    Attributes:
+        tokens: each node's token id.
+        parents: each node's parent node (-1 for the root).
+        probs: each node's draft probability given its parent, as the heads proposed it (1.0 for
+            the root), rounded to 4 decimals.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        return {"tokens": list(self.tokens), "parents": list(self.parents), "probs": list(self.probs)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftTree":
+        return cls(tuple(int(x) for x in d["tokens"]), tuple(int(x) for x in d["parents"]),
+                   tuple(float(x) for x in d["probs"]))
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """What one verification step proposed and what it kept.
 
@@ -52,6 +80,9 @@ class StepRecord:
         calibration: the policy's calibration factor when it built the tree (dynamic trees; 0 otherwise).
             With ``predicted`` it lets the log re-estimate a node's calibration (predicted / calibration
             is the heads' own, uncalibrated, prediction).
+        tree: every drafted node (token, parent, draft probability) when the generation records trees
+            (``TreePolicy.record_trees``); None otherwise, and then ``to_dict`` leaves the key out, so
+            a record without a tree serialises exactly as before the field existed.
     """
 
     step: int
@@ -66,11 +97,16 @@ class StepRecord:
     elapsed_s: float = 0.0
     predicted: float = 0.0
     calibration: float = 0.0
+    tree: DraftTree | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for key in ("accepted_nodes", "tokens", "accepted_by_depth"):
             d[key] = list(d[key])
+        if self.tree is None:
+            del d["tree"]
+        else:
+            d["tree"] = self.tree.to_dict()
         return d
 
     @classmethod
@@ -88,6 +124,7 @@ class StepRecord:
             elapsed_s=float(d.get("elapsed_s", 0.0)),
             predicted=float(d.get("predicted", 0.0)),
             calibration=float(d.get("calibration", 0.0)),
+            tree=DraftTree.from_dict(d["tree"]) if d.get("tree") is not None else None,
         )
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from elesium.state.audit_chain import ChainHooks, digest_json
 from elesium.state.connection import connect, default_url, describe
@@ -66,6 +66,32 @@ reading them under today's name keeps an old run comparable, field for field, wi
 
 
 @dataclass(frozen=True)
+class LoggedTree:
+    """Every node a step drafted (the engine's ``DraftTree``): stored only for runs that record trees.
+
+    Node 0 is the root (the token chosen before the step); ``LoggedStep.accepted_nodes`` index the
+    nodes. ``probs``: each node's draft probability given its parent (1.0 for the root).
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        return {"tokens": list(self.tokens), "parents": list(self.parents), "probs": list(self.probs)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoggedTree:
+        tokens = tuple(int(x) for x in d["tokens"])
+        parents = tuple(int(x) for x in d["parents"])
+        probs = tuple(float(x) for x in d["probs"])
+        if not len(tokens) == len(parents) == len(probs):
+            raise ValueError(f"a recorded tree needs one parent and one probability per node; got "
+                             f"{len(tokens)} tokens, {len(parents)} parents, {len(probs)} probabilities")
+        return cls(tokens, parents, probs)
+
+
+@dataclass(frozen=True)
 class LoggedStep:
     """One verification step as the stream stores it (the fields of the engine's step record).
 
@@ -83,6 +109,8 @@ class LoggedStep:
         elapsed_s: wall time of the step.
         predicted: accepted drafts the tree policy expected (dynamic trees; 0 otherwise).
         calibration: the policy's calibration factor when it built the tree (0 otherwise).
+        tree: every drafted node, for runs that record trees; None (the key absent from the stored
+            document, so an entry without a tree is stored byte for byte as before the field existed).
     """
 
     step: int
@@ -97,6 +125,7 @@ class LoggedStep:
     elapsed_s: float = 0.0
     predicted: float = 0.0
     calibration: float = 0.0
+    tree: LoggedTree | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document stored in the entry's ``record`` field (same keys, same order, as the
@@ -104,6 +133,10 @@ class LoggedStep:
         d = asdict(self)
         for key in ("accepted_nodes", "tokens", "accepted_by_depth"):
             d[key] = list(d[key])
+        if self.tree is None:
+            del d["tree"]  # absent, not null: entries without a tree keep their bytes (and chain digests)
+        else:
+            d["tree"] = self.tree.to_dict()
         return d
 
     @classmethod
@@ -123,6 +156,7 @@ class LoggedStep:
             elapsed_s=float(d.get("elapsed_s", 0.0)),
             predicted=float(d.get("predicted", 0.0)),
             calibration=float(d.get("calibration", 0.0)),
+            tree=LoggedTree.from_dict(d["tree"]) if d.get("tree") is not None else None,
         )
 
 
@@ -162,6 +196,12 @@ class AcceptanceEntry(BaseModel):
     tokens: tuple[int, ...] | None = None
     prompt: tuple[int, ...] | None = None
     temperature: float | None = None
+
+    @field_serializer("record", when_used="json")
+    def _record_document(self, record: LoggedStep) -> dict[str, Any]:
+        """The stored document: a step without a tree has no ``tree`` key (not ``null``), in JSON as in
+        the stream, so API readers see old and new unrecorded entries alike."""
+        return record.to_dict()
 
     @field_validator("record", mode="before")
     @classmethod

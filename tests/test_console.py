@@ -8,9 +8,10 @@ role passed through, logout revoking the session.
 
 (b) Playwright driving Debian's Chromium (``/usr/bin/chromium``; no ``playwright install``): log in,
 open an interrupted ticket-triage run, approve it with an edited reply from the page, see the
-outcome, replay it and see ``identical``; screenshots of the list and the run page go to
-``docs/console/`` when ``ELESIUM_CONSOLE_SCREENSHOTS=1``. Without Chromium or the playwright package the
-browser test skips, and fails when ``CI`` is set.
+outcome, replay it and see ``identical``; step through a call's recorded trees (links and arrow keys)
+and decode a prompt live, watching its steps' trees arrive. Screenshots of the list, the run page,
+the tree view and the live page go to ``docs/console/`` when ``ELESIUM_CONSOLE_SCREENSHOTS=1``.
+Without Chromium or the playwright package the browser test skips, and fails when ``CI`` is set.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def ticket(subject: str) -> dict[str, str]:
                     "Please refund the extra charge."}
 
 
-def start_triage(url: str, subject: str, seed: int) -> tuple[str, str]:
+def start_triage(url: str, subject: str, seed: int, record_trees: bool = False) -> tuple[str, str]:
     """A ticket-triage run interrupted at its approval (speculative decoding): (thread id, run id)."""
     client = get_sync_client(url=url, api_key=KEY_A)
     tid = client.threads.create()["thread_id"]
-    out = client.runs.wait(tid, "ticket-triage", input=ticket(subject),
-                           config={"configurable": {"run_seed": seed, "mode": "speculative"}})
+    configurable = {"run_seed": seed, "mode": "speculative"}
+    if record_trees:
+        configurable["record_trees"] = True
+    out = client.runs.wait(tid, "ticket-triage", input=ticket(subject), config={"configurable": configurable})
     assert out.get("__interrupt__"), out
     return tid, client.runs.list(tid)[0]["run_id"]
 
@@ -279,10 +282,19 @@ def _login(page, base: str, key: str) -> None:
     page.wait_for_url(f"{base}/console/")
 
 
+def _recorded_story(url: str) -> tuple[str, str]:
+    """A 48-token ``story`` run that records its trees: (thread id, run id)."""
+    client = get_sync_client(url=url, api_key=KEY_A)
+    tid = client.threads.create()["thread_id"]
+    client.runs.wait(tid, "story", input={"topic": "rivers"},
+                     config={"configurable": {"run_seed": 7, "mode": "speculative", "record_trees": True}})
+    return tid, client.runs.list(tid)[0]["run_id"]
+
+
 def test_browser_approve_replay_and_screenshots(api_server, summary, tmp_path):
     _browser_or_skip()
     from playwright.sync_api import expect
-    tid, rid = start_triage(api_server.url, "Double charge on invoice", 11)
+    tid, rid = start_triage(api_server.url, "Double charge on invoice", 11, record_trees=True)
     base = api_server.url
     settings = api_server.app.state.settings
     keys, roles = dict(settings.api_keys), dict(getattr(settings, "api_key_roles", {}))
@@ -317,6 +329,33 @@ def test_browser_approve_replay_and_screenshots(api_server, summary, tmp_path):
         assert page.locator('svg.graph g.node.visited[data-node="choose_opening"]').count() == 1
         page.screenshot(path=str(tmp_path / "run-top.png"),
                         clip={"x": 0, "y": 0, "width": 1280, "height": 2000}, full_page=True)
+        # The tree, step by step: a call's recorded trees, forward and back (links and arrow keys).
+        page.locator("article.call a.tree-link").first.click()
+        page.wait_for_selector("#tree-view .step")
+        count = int(page.get_attribute("#tree-view", "data-count"))
+        assert count >= 3 and page.text_content("#step-pos").strip() == f"step 1 of {count}", count
+        assert page.locator("#tree-view .step .tnode.root").count() == 1
+        assert page.locator("#tree-view .step .tnode.bonus").count() == 1
+        page.click("#step-next")
+        expect(page.locator("#step-pos")).to_have_text(f"step 2 of {count}")
+        page.keyboard.press("ArrowRight")
+        expect(page.locator("#step-pos")).to_have_text(f"step 3 of {count}")
+        page.keyboard.press("ArrowLeft")
+        expect(page.locator("#step-pos")).to_have_text(f"step 2 of {count}")
+        assert page.get_attribute("#tree-view .step", "data-recorded") == "yes"
+        # The screenshot: a longer answer's step with the largest tree (every drafted node, kept or not).
+        story_tid, story_rid = _recorded_story(base)
+        story = f"{base}{run_url(story_tid, story_rid)}/calls/write/0"
+        page.goto(story)
+        sizes = []
+        for i in range(int(page.get_attribute("#tree-view", "data-count"))):
+            page.goto(f"{story}?step={i}")
+            sizes.append(page.locator("#tree-view .tnode[data-node]").count())
+        page.goto(f"{story}?step={sizes.index(max(sizes))}")
+        assert page.locator("#tree-view .tnode.rejected").count() > 0
+        page.screenshot(path=str(tmp_path / "tree.png"), full_page=True)
+        page.goto(base + run_url(tid, rid))
+        page.wait_for_selector("svg.graph")
         # Approve with an edited reply.
         reply = ("Hello Dana,\n\nWe have refunded the duplicate charge on INV-2231.\n\n"
                  "Best regards,\nNorthwind Support")
@@ -332,10 +371,28 @@ def test_browser_approve_replay_and_screenshots(api_server, summary, tmp_path):
         assert page.locator('svg.graph g.node.visited[data-node="finalise"]').count() == 1
         page.click("#replay")
         expect(page.locator("#replay-result")).to_contain_text("Verdict: identical", timeout=90_000)
+        # Live: type a prompt, watch each step's tree arrive, step back through them.
+        page.click("#nav-live")
+        page.wait_for_selector("#live-form")
+        page.fill("#live-prompt", "Write one sentence about rivers.")
+        page.fill("#live-max", "24")
+        page.click("#live-start")
+        expect(page.locator("#live-status")).to_contain_text("done:", timeout=90_000)
+        assert page.get_attribute("#live", "data-state") == "done"
+        steps = int(re.search(r"in (\d+) steps", page.text_content("#live-status")).group(1))
+        assert steps >= 2 and page.text_content("#live-pos") == f"step {steps} of {steps}"
+        assert page.locator("#live-step .tnode.root").count() == 1
+        assert page.locator("#live-answer .tok").count() >= steps + 1
+        page.click("#live-prev")
+        expect(page.locator("#live-pos")).to_have_text(f"step {steps - 1} of {steps}")
+        page.click("#live-next")
+        expect(page.locator("#live-pos")).to_have_text(f"step {steps} of {steps}")
+        page.screenshot(path=str(tmp_path / "live.png"), full_page=True)
         assert all(u.startswith(base) for u in requests), [u for u in requests if not u.startswith(base)]
         ctx.close()
-    assert all((tmp_path / name).stat().st_size > 10_000 for name in ("runs.png", "run-top.png"))
+    shots = {"runs.png": "runs.png", "run-top.png": "run.png", "tree.png": "tree.png", "live.png": "live.png"}
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in shots)
     if os.environ.get("ELESIUM_CONSOLE_SCREENSHOTS") == "1":
         SHOTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(tmp_path / "runs.png", SHOTS / "runs.png")
-        shutil.copy(tmp_path / "run-top.png", SHOTS / "run.png")
+        for name, committed in shots.items():
+            shutil.copy(tmp_path / name, SHOTS / committed)

@@ -62,10 +62,12 @@ def setup() -> tuple:
 
 
 def decode(setup: tuple, max_tokens: int, nodes: int, runner: ChainRunner | None = None,
-           temperature: float = 0.0, seed: int = 0) -> tuple[list[int], list, ChainRunner]:
+           temperature: float = 0.0, seed: int = 0,
+           record_trees: bool = False) -> tuple[list[int], list, ChainRunner]:
     model, heads, _ = setup
     runner = runner or ChainRunner(model, model.new_cache(128), heads)
-    policy = TreePolicy(kind="dynamic", max_nodes=nodes, topk=3, expand_width=4, adapt=False)
+    policy = TreePolicy(kind="dynamic", max_nodes=nodes, topk=3, expand_width=4, adapt=False,
+                        record_trees=record_trees)
     top_p = 0.95 if temperature else 1.0
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     dec = TreeDecoder(runner, heads, params, Sampler(seed), policy)
@@ -136,3 +138,27 @@ def test_sampled_chain_replays_from_its_seed_and_hands_back(setup: tuple) -> Non
     greedy, _, _ = decode(setup, 20, 16, runner)
     assert greedy == setup[2][:20]
     assert len(runner.graphs) == 2, "greedy and T = 0.8 each capture their own step"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_chain_records_its_trees_without_changing_a_token(setup: tuple, temperature: float) -> None:
+    """With tree recording the chain captures a step of its own that also reads back every node's
+    token, parent and draft probability; the tokens are the same as without it (sampled too), and each
+    recorded tree holds the step's accepted path."""
+    plain, plain_records, runner = decode(setup, 70, 16, temperature=temperature, seed=3)
+    recorded, records, _ = decode(setup, 70, 16, runner, temperature=temperature, seed=3, record_trees=True)
+    assert recorded == plain
+    assert [r.tokens for r in records] == [r.tokens for r in plain_records]
+    assert all(r.tree is None for r in plain_records)
+    chain_steps = [r for r in records if r.predicted == 0.0 and r.tree_size == 16]
+    assert chain_steps and all(r.tree is not None for r in records)
+    for r in chain_steps:
+        tree = r.tree
+        assert len(tree.tokens) == len(tree.parents) == len(tree.probs) == r.tree_size
+        assert tree.parents[0] == -1 and tree.probs[0] == 1.0
+        assert all(0 <= tree.parents[n] < n for n in range(1, r.tree_size))
+        assert all(0.0 <= p <= 1.0 for p in tree.probs)
+        assert [tree.tokens[n] for n in r.accepted_nodes[1:]] == list(r.tokens[:-1])
+        assert all(tree.parents[c] == p for p, c in zip(r.accepted_nodes, r.accepted_nodes[1:]))
+    assert len(runner.graphs) == 2, "the recording step is captured of its own"

@@ -13,119 +13,41 @@ login form, which has no session yet, must come from this origin (Origin/Referer
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlencode, urlsplit
+from urllib.parse import parse_qs, quote
 
 import httpx
-from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 
-from elesium.api.auth import Principal, principal
-from elesium.api.console import sessions, views
+from elesium.api.auth import Principal
+from elesium.api.console import sessions, trees, views
+from elesium.api.console.pages import (
+    MAX_THREADS,
+    STATIC,
+    STATIC_TYPES,
+    STATUSES,
+    _action_session,
+    _client,
+    _fields,
+    _page,
+    _principal_of,
+    _refused,
+    _run_url,
+    _safe_next,
+    _same_origin,
+    _session,
+    _to_login,
+    _when,
+)
 from elesium.api.errors import NotFound, Unauthorized
 from elesium.api.routers.common import services
 from elesium.state.threads import public_id
 
-HERE = Path(__file__).resolve().parent
-STATIC = HERE / "static"
-STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                ".svg": "image/svg+xml"}
-TEMPLATES = Environment(loader=FileSystemLoader(str(HERE / "templates")),
-                        autoescape=select_autoescape(["html"], default=True))
-SECURITY_HEADERS = {
-    # Everything is served from here: no CDN, no inline script, no framing.
-    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
-    "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
-    "X-Frame-Options": "DENY",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
-STATUSES = ("pending", "running", "success", "error", "interrupted", "timeout")
-MAX_THREADS = 500
 
-
-
-# ---------------------------------------------------------------- helpers
-def _when(ms: int | None) -> str:
-    if not ms:
-        return ""
-    return dt.datetime.fromtimestamp(int(ms) / 1000, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _page(request: Request, template: str, code: int = 200, **context: Any) -> HTMLResponse:
-    session = context.get("session")
-    body = TEMPLATES.get_template(template).render(
-        csrf=session.csrf if session else "", logged_in=session is not None,
-        auth=request.app.state.settings.auth, **context,
-    )
-    return HTMLResponse(body, status_code=code, headers=SECURITY_HEADERS)
-
-
-def _client(request: Request) -> Any:
-    return services(request).store.client
-
-
-def _session(request: Request) -> sessions.Session | None:
-    settings = request.app.state.settings
-    if not settings.auth:
-        return sessions.Session(key=None, csrf="no-auth", token=None)
-    return sessions.resolve(_client(request), request.cookies.get(sessions.COOKIE), settings.api_keys)
-
-
-def _principal_of(request: Request, session: sessions.Session) -> Principal:
-    """The session key's principal, by the API's own check (so the console can never be looser)."""
-    headers = [(b"x-api-key", session.key.encode())] if session.key else []
-    return principal(Request({"type": "http", "headers": headers, "app": request.app, "method": "GET",
-                              "path": "/console", "query_string": b""}))
-
-
-def _fields(value: Any) -> list[tuple[str, str]]:
-    """An interrupt's payload as (field, text) rows: strings as they are, the rest as JSON."""
-    items = value.items() if isinstance(value, dict) else [("value", value)]
-    return [(str(k), v if isinstance(v, str) else json.dumps(v, indent=1, ensure_ascii=False, default=str))
-            for k, v in items]
-
-
-def _refused(request: Request, session: sessions.Session, who: Principal) -> Response | None:
-    """A 403 page for a key whose roles do not include reading (the API's ``reader`` routes)."""
-    allows = getattr(who, "allows", None)
-    if allows is None or allows("reader"):
-        return None
-    return _page(request, "error.html", code=403, session=session, who=who, title="Not allowed",
-                 message="This API key may not read runs (it needs the 'reader' role).")
-
-
-def _to_login(request: Request) -> RedirectResponse:
-    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    return RedirectResponse(f"/console/login?{urlencode({'next': target})}", status_code=303)
-
-
-def _safe_next(target: str | None) -> str:
-    if target and target.startswith("/console/") and "\\" not in target:
-        return target
-    return "/console/"
-
-
-def _same_origin(request: Request) -> bool:
-    origin = request.headers.get("origin") or request.headers.get("referer")
-    if not origin:
-        return True  # non-browser clients send neither; a browser's cross-site post sends Origin
-    parts = urlsplit(origin)
-    return parts.netloc == request.headers.get("host", "")
-
-
-def _run_url(thread_id: str, run_id: str) -> str:
-    return f"/console/runs/{quote(thread_id, safe='')}/{quote(run_id, safe='')}"
-
-
-# ---------------------------------------------------------------- static files and login
 def static(request: Request) -> Response:
     name = request.path_params["name"]
     path = STATIC / name
@@ -277,6 +199,7 @@ def _run_context(request: Request, who: Principal, thread_id: str, run_id: str) 
         "interrupt_fields": [_fields(v) for v in interrupts],
         "draft": next((v.get("draft") for v in interrupts if isinstance(v, dict) and v.get("draft")), ""),
         "api_base": f"/console/api/runs/{quote(public, safe='')}/{quote(row.run_id, safe='')}",
+        "run_path": _run_url(public, row.run_id),
         "max_depth": views.MAX_DEPTH_CLASS,
     }
 
@@ -298,16 +221,6 @@ def run_page(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------- actions: the API's own routes
-async def _action_session(request: Request, *, changes_state: bool) -> sessions.Session | JSONResponse:
-    session = await run_in_threadpool(_session, request)
-    if session is None:
-        return JSONResponse({"detail": "not logged in (or the session expired): log in again"},
-                            status_code=401)
-    if changes_state and not sessions.csrf_ok(session, request.headers.get("x-csrf-token")):
-        return JSONResponse({"detail": "missing or wrong CSRF token: reload the page"}, status_code=403)
-    return session
-
-
 async def _api(request: Request, session: sessions.Session, method: str, path: str,
                body: Any = None) -> httpx.Response:
     """Call this server's API in-process, as the session's key."""
@@ -463,6 +376,9 @@ mount = Mount("/console", routes=[
     Route("/", run_list, methods=["GET"]),
     Route("/runs", run_list, methods=["GET"]),
     Route("/runs/{thread_id}/{run_id}", run_page, methods=["GET"]),
+    Route("/runs/{thread_id}/{run_id}/calls/{node}/{call}", trees.tree_page, methods=["GET"]),
+    Route("/live", trees.live_page, methods=["GET"]),
+    Route("/api/live", trees.live_stream, methods=["POST"]),
     Route("/login", login_form, methods=["GET"]),
     Route("/login", login, methods=["POST"]),
     Route("/logout", logout, methods=["POST"]),

@@ -22,6 +22,7 @@ h of the last cached position:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,7 @@ from elesium.inference.decoding.tree_chain import ChainStep, TreeChain, TreeShap
 from elesium.inference.decoding.tree_policy import TreePolicy
 from elesium.inference.decoding.verify import Verdict, verify_greedy, verify_sampled, verify_typical
 from elesium.inference.drafters.protocol import DraftContext, Proposal, Proposer
-from elesium.inference.records import DecodeMode, StepRecord, normalize_mode
+from elesium.inference.records import DecodeMode, DraftTree, StepRecord, normalize_mode
 from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.inference.sampling import Sampler, SamplingParams, greedy_token
@@ -131,7 +132,7 @@ class TreeDecoder:
                     self.runner, shape, self.pending, self.offset, self.rows, self.row_tokens, self.row_start,
                     self.policy.draft_temperature, limit, self.params,
                     None if self.params.greedy else self.sampler.uniforms,
-                    max(1, self.params.max_tokens - 1 - self.emitted))
+                    max(1, self.params.max_tokens - 1 - self.emitted), record_trees=self.policy.record_trees)
         if self._chain is None:
             return None
         wanted = max(1, self.params.max_tokens - 1 - self.emitted)
@@ -152,7 +153,10 @@ class TreeDecoder:
             accepted_length=len(got.tokens), accepted_nodes=tuple(got.path), tokens=tuple(got.tokens),
             accepted_by_depth=tuple(d <= accepted_depth for d in range(1, got.tree_depth + 1)),
             draft_temperature=self.policy.draft_temperature, elapsed_s=time.perf_counter() - start,
-            predicted=0.0, calibration=0.0)
+            predicted=0.0, calibration=0.0,
+            tree=None if got.tree is None else DraftTree(tuple(int(t) for t in got.tree[0]),
+                                                         tuple(int(p) for p in got.tree[1]),
+                                                         tuple(float(q) for q in got.tree[2])))
         self.steps += 1
         self.emitted += len(got.tokens)
         return record
@@ -183,6 +187,11 @@ class TreeDecoder:
                 tree = tree.truncated(room)
             node_tokens = [self.pending] + [drafts.token(p) for p in tree.paths[1:]]
             ancestors = tree.ancestors()
+        # Read before the verify forward: it may draft the next step into the proposal's buffers.
+        recorded = None
+        if self.policy.record_trees:
+            shown = drafts if drafts is not None else draft_set(proposal, draft_temperature)
+            recorded = drafted_tree(tree, node_tokens, shown, draft_temperature)
         dev = self.runner.device
         out = self.runner.decode(node_tokens, [self.offset + d for d in tree.depths], self.offset,
                                  ancestors, drafts=True)
@@ -213,7 +222,7 @@ class TreeDecoder:
             accepted_length=len(committed), accepted_nodes=tuple(path), tokens=tuple(committed),
             accepted_by_depth=tuple(d <= accepted_depth for d in range(1, tree.depth + 1)),
             draft_temperature=draft_temperature, elapsed_s=time.perf_counter() - start,
-            predicted=round(self.policy.predicted, 6), calibration=round(calibration, 6))
+            predicted=round(self.policy.predicted, 6), calibration=round(calibration, 6), tree=recorded)
         self.policy.observe(record)
         self.steps += 1
         self.emitted += len(committed)
@@ -238,6 +247,17 @@ class TreeDecoder:
         if self.mode == "typical":
             return verify_typical(tree, node_tokens, logits, self.params, self.sampler, masks=masks)
         return verify_sampled(tree, node_tokens, logits, self.params, self.sampler, masks=masks)
+
+
+def drafted_tree(tree: Tree, node_tokens: Sequence[int], drafts: DraftSet, temperature: float) -> DraftTree:
+    """The step's tree as its record keeps it: each node's token, parent and draft probability.
+
+    Only runs that record trees pay for this (the drafts are already on the host, and an expanded
+    proposal's are read into rank paths once more). A draft's score is its log-probability over the
+    draft temperature, so the heads' own probability is ``exp(score * temperature)``.
+    """
+    probs = [1.0] + [round(math.exp(drafts.score(p) * temperature), 4) for p in tree.paths[1:]]
+    return DraftTree(tuple(int(t) for t in node_tokens), tuple(tree.parents), tuple(probs))
 
 
 class _MaskedArgmax(Sequence[int]):

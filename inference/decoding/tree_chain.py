@@ -82,20 +82,28 @@ class TreeShape:
     topk: int
 
 
+PROB_SCALE = 10_000
+"""A recorded node's draft probability travels in the int64 record as ``round(p * PROB_SCALE)``: the
+4 decimals the host path records."""
+
+
 @dataclass(frozen=True)
 class ChainStep:
     """One step read back: the tokens it committed, its accepted nodes (in the device tree's
-    best-first numbering) and the depth of its tree."""
+    best-first numbering) and the depth of its tree; with tree recording, every node's token, parent
+    (-1 for the root) and draft probability."""
 
     tokens: list[int]
     path: list[int]
     tree_depth: int
+    tree: tuple[list[int], list[int], list[float]] | None = None
 
 
 TreeLogic = tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., tuple[torch.Tensor, ...]]]
 
 
-def tree_logic(layout: ExpansionLayout, count: int, depth: int, greedy: bool, compiled: bool) -> TreeLogic:
+def tree_logic(layout: ExpansionLayout, count: int, depth: int, greedy: bool, compiled: bool,
+               with_probs: bool = False) -> TreeLogic:
     """The step's tree choice and acceptance, as two functions of tensors (tuples in and out).
 
     ``compiled``: through ``torch.compile`` (inductor), which fuses their ~150 small pointwise,
@@ -105,12 +113,16 @@ def tree_logic(layout: ExpansionLayout, count: int, depth: int, greedy: bool, co
     are the same from either (tests/test_gpu.py compares them); the sampled walk's float64 masses may
     round differently in the last bit, which could move a decision only for a uniform within ~1e-16
     of its threshold. Compilation happens at the first (warm-up) call, per captured step.
+    ``with_probs`` (tree recording): ``choose`` also returns each drafted node's own log-probability.
     """
 
     def choose(pending: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, parents: torch.Tensor,
                temperature: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cand = candidate_scores(logprobs, parents, layout, temperature)
-        t = device_tree(pending, tokens, cand, best_first(cand, count), depth)
+        chosen = best_first(cand, count)
+        t = device_tree(pending, tokens, cand, chosen, depth)
+        if with_probs:  # nodes are numbered best first: node i + 1 is chosen[i]
+            return t.tokens, t.parent, t.depth, t.ancestors, logprobs.reshape(-1)[chosen]
         return t.tokens, t.parent, t.depth, t.ancestors
 
     def accept(tree: tuple[torch.Tensor, ...], scores: torch.Tensor,
@@ -130,17 +142,18 @@ def tree_step_body(model: Transformer, heads: StepDrafter, cache: KVCache,
                    step: Callable[..., StepOutputs], ints: torch.Tensor, rows: torch.Tensor,
                    temperature: torch.Tensor, record: torch.Tensor, shape: TreeShape,
                    params: SamplingParams, draws: torch.Tensor, compiled: bool = False,
-                   topk_chunk: int | None = None) -> Callable[[], torch.Tensor]:
+                   topk_chunk: int | None = None, record_trees: bool = False) -> Callable[[], torch.Tensor]:
     """The captured step. ``temperature`` (the drafts') is a float64 ``[1]``; ``record`` receives
-    ``[length, tree depth, committed (D + 1), path (D + 1)]``; ``draws`` holds the uniforms when
-    ``params`` sample, ``N`` per step; ``compiled``: ``tree_logic``'s; ``topk_chunk``: the drafting's
-    top-k form (``HydraHeads.expand``)."""
+    ``[length, tree depth, committed (D + 1), path (D + 1)]``, then with ``record_trees`` every node's
+    token, parent and draft probability (``[N]`` each, the probability as ``round(p * PROB_SCALE)``);
+    ``draws`` holds the uniforms when ``params`` sample, ``N`` per step; ``compiled``: ``tree_logic``'s;
+    ``topk_chunk``: the drafting's top-k form (``HydraHeads.expand``)."""
     depth = heads.num_heads
     r = depth + 1
     layout = ExpansionLayout.of(depth, shape.width, shape.topk)
     count = min(shape.nodes - 1, layout.candidates)
     n = count + 1
-    choose, accept = tree_logic(layout, count, depth, params.greedy, compiled)
+    choose, accept = tree_logic(layout, count, depth, params.greedy, compiled, record_trees)
 
     def body() -> torch.Tensor:
         # Every constant is made inside the body, so that it lives in the graph's own memory: a
@@ -150,8 +163,9 @@ def tree_step_body(model: Transformer, heads: StepDrafter, cache: KVCache,
         pending, offset, start = ints[0], ints[1], ints[2]
         tokens, logprobs, parents = heads.draft_tree(model, rows, ints[INTS:INTS + r], start, ints[3:4],
                                                      shape.width, shape.topk, drafter_cache, topk_chunk)
-        tree = choose(pending, tokens, logprobs, parents, temperature)
-        node_tokens, _, node_depth, ancestors = tree
+        chosen_tree = choose(pending, tokens, logprobs, parents, temperature)
+        tree = chosen_tree[:4]
+        node_tokens, node_parent, node_depth, ancestors = tree
         out = step(node_tokens.view(1, -1), offset + node_depth, ancestors, offset, with_drafts=False)
         steps = ints[4:5]
         if params.greedy:
@@ -163,7 +177,12 @@ def tree_step_body(model: Transformer, heads: StepDrafter, cache: KVCache,
         rows.copy_(out.hidden.index_select(0, path))
         at = offset.reshape(1)
         ints.copy_(torch.cat([bonus, at + length, at, length - 1, steps + 1, committed]))
-        record.copy_(torch.cat([length, node_depth.max().reshape(1), committed, path]))
+        parts = [length, node_depth.max().reshape(1), committed, path]
+        if record_trees:
+            root = torch.full((1,), PROB_SCALE, dtype=torch.long, device=ints.device)
+            probs = (chosen_tree[4].double().exp() * PROB_SCALE).round().long()
+            parts += [node_tokens, node_parent, torch.cat([root, probs])]
+        record.copy_(torch.cat(parts))
         return record
 
     return body
@@ -180,7 +199,7 @@ class TreeChain:
 
     def __init__(self, graph: Any, ints: torch.Tensor, rows: torch.Tensor, record: torch.Tensor, *,
                  nodes: int, depth: int, offset: int, limit: int, max_steps: int | None = None,
-                 lookahead: int = LOOKAHEAD) -> None:
+                 lookahead: int = LOOKAHEAD, record_trees: bool = False) -> None:
         self._graph = graph
         self._ints = ints
         self._rows = rows
@@ -189,6 +208,7 @@ class TreeChain:
         self._depth = depth
         self._limit = limit
         self._offset = offset  # after the last step read
+        self._record_trees = record_trees  # the record also holds the step's tree
         self._launches_left = max_steps
         cuda = record.device.type == "cuda"  # on the CPU (tests) each replay has finished when it returns
         self._slots = [torch.zeros_like(record, device="cpu") for _ in range(lookahead + 1)]
@@ -220,7 +240,12 @@ class TreeChain:
         d = self._depth + 1
         length = values[0]
         self._offset += length
-        return ChainStep(values[2:2 + length], values[2 + d:2 + d + length], values[1])
+        tree = None
+        if self._record_trees:
+            at, n = 2 + 2 * d, self.nodes
+            parents = [-1] + values[at + n + 1:at + 2 * n]  # the device tree's root is its own parent
+            tree = (values[at:at + n], parents, [p / PROB_SCALE for p in values[at + 2 * n:at + 3 * n]])
+        return ChainStep(values[2:2 + length], values[2 + d:2 + d + length], values[1], tree)
 
     def hand_back(self) -> tuple[int, int, int, list[int], torch.Tensor]:
         """The host decoder's state after the last step read (no step may be in flight):
@@ -244,15 +269,16 @@ class TreeChain:
         self._inflight.append(slot)
 
 
-ChainGraphs = dict[tuple[TreeShape, SamplingKey, bool, int | None], tuple[Any, tuple[Any, ...]]]
-"""Captured steps by (tree shape, sampling setting, compiled tree logic, drafting's top-k chunk)."""
+ChainGraphs = dict[tuple[TreeShape, SamplingKey, bool, int | None, bool], tuple[Any, tuple[Any, ...]]]
+"""Captured steps by (tree shape, sampling setting, compiled tree logic, drafting's top-k chunk, tree
+recording)."""
 
 
 def start_tree_chain(runner: ForwardRunner, shape: TreeShape, pending: int, offset: int, rows: torch.Tensor,
                      row_tokens: list[int], row_start: int, draft_temperature: float, limit: int,
                      params: SamplingParams, draw: Callable[[int], torch.Tensor] | None = None,
                      max_tokens: int | None = None, max_graphs: int | None = MAX_CHAIN_GRAPHS,
-                     ) -> TreeChain | None:
+                     record_trees: bool = False) -> TreeChain | None:
     """A chain from the host decoder's state: ``rows`` ``[n, H]`` (n <= heads + 1) written from slot
     ``row_start``, each paired with its entry of ``row_tokens``, the last one with ``pending``.
 
@@ -267,6 +293,8 @@ def start_tree_chain(runner: ForwardRunner, shape: TreeShape, pending: int, offs
     (``max_tokens``, at most the cache's free slots): each step commits at least one. None where the
     runner captures no steps (or has them off), its heads draft inside the verify forward (there is no
     drafting after the bonus token to capture), or the cache cannot hold the first steps.
+    ``record_trees``: the step also reads back its whole tree (a step captured of its own, so that a
+    generation that does not record reads back nothing more).
     """
     heads, capture = runner.heads, runner.capture
     if heads is None or heads.fuses_drafts or capture is None or not runner.tree_chains:
@@ -280,7 +308,7 @@ def start_tree_chain(runner: ForwardRunner, shape: TreeShape, pending: int, offs
     if len(row_tokens) > r or offset + 3 * r + nodes > limit:
         return None
     compiled, chunk = runner.compile_tree_logic, runner.draft_topk_chunk
-    key = (shape, sampling_key(params), compiled, chunk)
+    key = (shape, sampling_key(params), compiled, chunk, record_trees)
     captured = graphs.get(key)
     if captured is None and max_graphs is not None and len(graphs) >= max_graphs:
         return None
@@ -291,7 +319,7 @@ def start_tree_chain(runner: ForwardRunner, shape: TreeShape, pending: int, offs
         torch.zeros(INTS + r, dtype=torch.long, device=dev),
         torch.zeros(r, rows.shape[-1], dtype=rows.dtype, device=dev),
         torch.zeros(1, dtype=torch.float64, device=dev),
-        torch.zeros(2 + 2 * r, dtype=torch.long, device=dev),
+        torch.zeros(2 + 2 * r + (3 * nodes if record_trees else 0), dtype=torch.long, device=dev),
         # Every step commits a token, so no chain takes more steps than the cache has slots.
         torch.zeros(0 if params.greedy else runner.cache.max_len * nodes, dtype=torch.float64, device=dev))
     ints, buf, temperature, record, draws = io[:5]
@@ -315,10 +343,11 @@ def start_tree_chain(runner: ForwardRunner, shape: TreeShape, pending: int, offs
     reset()
     if captured is None:
         body = tree_step_body(runner.model, heads, runner.cache, runner.drafter_cache, runner.step_outputs,
-                              ints, buf, temperature, record, shape, params, draws, compiled, chunk)
+                              ints, buf, temperature, record, shape, params, draws, compiled, chunk,
+                              record_trees)
         graph, _ = capture(body)
         captured = graphs[key] = (graph, io + (body,))  # the body too: whatever it holds stays alive
         reset()
     runner.tree_chains_started += 1
     return TreeChain(captured[0], ints, buf, record, nodes=nodes, depth=depth, offset=offset, limit=limit,
-                     max_steps=max_steps)
+                     max_steps=max_steps, record_trees=record_trees)

@@ -73,6 +73,9 @@ class TreePolicy:
     cost: CostCurve = field(default_factory=CostCurve.flat)
     adapt: bool = True
     calibration: float = 1.0
+    # Whether each step's record carries its whole drafted tree (``StepRecord.tree``): a run's or a
+    # workflow's opt-in for the audit console; it changes no tree and no token, so it is not compared.
+    record_trees: bool = field(default=False, compare=False)
     _predicted: float = 0.0
     _static: Tree | None = None
     # (cost curve's key, cost(1..max_nodes)): a cache, left out of comparisons and repr.

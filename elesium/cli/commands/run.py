@@ -33,6 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="decode mode for LLM nodes that do not pin one (default: the engine's)",
     )
     p.add_argument(
+        "--record-trees",
+        action="store_true",
+        help="record every drafted tree of every decode step in the acceptance log (the audit console's "
+        "step-by-step tree view; about 14 bytes per drafted node, no token changes)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object: final state, run id, version, acceptance summary",
@@ -130,6 +136,8 @@ def run_remote(args: argparse.Namespace, payload: Any) -> int:
     key = args.api_key or os.environ.get("ELESIUM_API_KEY") or None
     assistant = args.workflow if args.version is None else f"{args.workflow}:{args.version}"
     configurable = {k: v for k, v in (("run_seed", args.seed), ("mode", args.mode)) if v is not None}
+    if args.record_trees:
+        configurable["record_trees"] = True
     printer = token_printer(args.json)
     try:
         with ElesiumClient(args.server, api_key=key) as client:
@@ -219,6 +227,6 @@ def run(args: argparse.Namespace) -> int:
         workflow.input_model, payload, f"invalid input for workflow {workflow.name!r}"
     )  # before any write
     engine = load_engine(args)
-    runner = WorkflowRunner(engine, mode=args.mode, registry=registry)
+    runner = WorkflowRunner(engine, mode=args.mode, registry=registry, record_trees=args.record_trees)
     result = runner.start(workflow, payload, seed=args.seed, on_event=token_printer(args.json))
     return print_result(result, args.json)
