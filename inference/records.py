@@ -97,7 +97,7 @@ class StepRecord:
     elapsed_s: float = 0.0
     predicted: float = 0.0
     calibration: float = 0.0
-    tree: DraftTree | None = None
+    tree: DraftTree | None = field(default=None, repr=False)  # printed steps stay one line
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
