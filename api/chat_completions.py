@@ -32,10 +32,13 @@ What the OpenAI parameters mean here (README "OpenAI-compatible"):
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +47,9 @@ from elesium.api.events import RunChannel
 from elesium.api.execution import Services
 from elesium.api.schemas import ChatCompletionRequest
 from elesium.inference.constraints import _JSON_OPTIONS, Constraint, ConstraintError, closed_objects
-from elesium.inference.types import GenerationRequest, generate
+from elesium.inference.types import GenerationRequest
+
+log = logging.getLogger("elesium.api")
 
 SENTINEL = "<tool_call>"
 """What a tool call's text begins with; plain text answers under ``tool_choice: "auto"`` cannot."""
@@ -74,6 +79,13 @@ _WHY = {
     "function_call": "legacy function_call is not supported; use tool_choice",
     "store": "this server stores no completions",
 }
+
+
+def _report_late_failure(job: asyncio.Future[Any]) -> None:
+    """Done callback of a generation whose client left: its outcome is read by nobody, so a failure
+    is logged here (asyncio would otherwise complain that the exception was never retrieved)."""
+    if not job.cancelled() and job.exception() is not None:
+        log.warning("chat completion failed after its client left", exc_info=job.exception())
 
 
 class ParamError(BadRequest):
@@ -339,16 +351,74 @@ class ChatCompletion:
             content.append(item)
         return {"content": content, "refusal": None}
 
-    async def complete(self) -> dict[str, Any]:
-        """The whole answer, generated in turn with runs and replays on the engine thread."""
+    async def complete(self, left: Awaitable[None] | None = None) -> dict[str, Any] | None:
+        """The whole answer, generated in turn with runs and replays on the engine thread.
 
-        def work() -> tuple[Any, dict[str, Any] | None]:
-            gen = generate(self.svc.tracing.engine(self.svc.engine, response_id=self.cid), self._request())
+        ``left`` completes when the client goes away (:func:`elesium.api.routers.common.until_disconnect`):
+        the generation then stops at its next decoding step (or never starts, if still queued), the
+        engine is free for the next caller at once, and this returns None (nobody reads an answer).
+        """
+        cancel = threading.Event()
+        started: list[Any] = []  # the generation's handle, once the engine thread has started it
+
+        def work() -> tuple[Any, dict[str, Any] | None] | None:
+            if cancel.is_set():  # the client left while the job was being taken off the queue
+                self.svc.metrics.chat_completions.labels(finish_reason="abort").inc()
+                return None
+            handle = self.svc.tracing.engine(self.svc.engine, response_id=self.cid).start(self._request())
+            started.append(handle)
+            tokens, steps = 0, []
+            try:
+                if not cancel.is_set():
+                    for chunk in handle:
+                        tokens += len(getattr(chunk, "token_ids", ()) or ())
+                        if getattr(chunk, "step", None) is not None:
+                            steps.append(chunk.step)
+                        if cancel.is_set():
+                            break
+                if cancel.is_set():
+                    self._abandoned(tokens, steps)
+                    return None
+                gen = handle.result
+            finally:
+                handle.close()  # releases the engine at once if the loop was left early
             self._count(gen)
             return gen, self._logprobs(gen)
 
-        gen, logprobs = await self.svc.worker.run(work)
+        def stop() -> None:
+            """The client left: the generation ends after the step it is in (or while it waits for the
+            engine), a job still queued is dropped unrun (the engine thread skips a cancelled future)."""
+            cancel.set()
+            if submitted.cancel():
+                self.svc.metrics.chat_completions.labels(finish_reason="abort").inc()
+            for handle in started:
+                handle.close()  # thread-safe; wakes a generation still queued for the engine's gate
+
+        submitted = self.svc.worker.submit(work)
+        job = asyncio.wrap_future(submitted)
+        if left is None:
+            outcome = await job
+        else:
+            watch = asyncio.ensure_future(left)
+            either: set[asyncio.Future[Any]] = {job, watch}
+            try:
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the request itself was cancelled (server shutdown)
+                stop()
+                job.add_done_callback(_report_late_failure)
+                raise
+            finally:
+                watch.cancel()
+            if not job.done():
+                stop()
+                job.add_done_callback(_report_late_failure)
+                return None
+            outcome = job.result()
+        if outcome is None:
+            return None
+        gen, logprobs = outcome
         message, finish = self._message(gen)
+        self.svc.metrics.chat_completions.labels(finish_reason=finish).inc()
         return {
             "id": self.cid,
             "object": "chat.completion",
@@ -358,6 +428,13 @@ class ChatCompletion:
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
             "usage": _usage(gen),
         }
+
+    def _abandoned(self, tokens: int, steps: list[Any]) -> None:
+        """Count a generation stopped because its client left: the tokens it decoded, an "abort"."""
+        self.svc.metrics.generated_tokens.inc(tokens)
+        self.svc.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.svc.metrics.observe_steps(steps)
+        self.svc.metrics.chat_completions.labels(finish_reason="abort").inc()
 
     def start_stream(self) -> RunChannel:
         """Queue the generation on the engine thread; its deltas, then "done" or "error", reach the channel.
@@ -374,16 +451,19 @@ class ChatCompletion:
         finished = False
         try:
             if channel.cancel.is_set():
+                self.svc.metrics.chat_completions.labels(finish_reason="abort").inc()
                 return
             stream = self.svc.tracing.engine(self.svc.engine, response_id=self.cid).start(self._request())
             for chunk in stream:
                 if channel.cancel.is_set():
+                    self.svc.metrics.chat_completions.labels(finish_reason="abort").inc()
                     return
                 if chunk.text:
                     channel.publish("delta", chunk.text)
             finished = True
             gen = stream.result
             self._count(gen)
+            self.svc.metrics.chat_completions.labels(finish_reason=_finish(gen.finish_reason)).inc()
             channel.publish("done", {"finish_reason": _finish(gen.finish_reason), "usage": _usage(gen)})
         except Exception as exc:  # noqa: BLE001
             # Safe: a chat completion records nothing and replays nothing; the headers are already

@@ -219,6 +219,29 @@ def test_a_chat_completion_has_its_chat_span(server: LiveServer, spans: Any):
     assert streamed.attributes["gen_ai.usage.output_tokens"] == 4
 
 
+def test_a_chat_completion_whose_client_leaves_ends_its_span_cancelled(server: LiveServer, spans: Any):
+    """A non-streaming completion abandoned mid-generation: its chat span ends, marked cancelled, and
+    the next request is answered."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    payload = json.dumps({"model": MODEL, "max_tokens": 400,
+                          "messages": [{"role": "user", "content": "Write a long essay about bridges."}]})
+    spans.clear()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\nx-api-key: {KEY_A}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n{payload}")
+                     .encode())
+        time.sleep(0.5)
+    (chat,) = [s for s in _finished(spans, f"chat {MODEL}") if s.name == f"chat {MODEL}"]
+    assert chat.attributes["error.type"] == "cancelled"
+    with server.http(KEY_A) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+
+
 # ------------------------------------------------------------------ the exporter checked at startup
 # The CLI with the otlp exporter as if it were not installed (whether it is here or not).
 _MAIN = ("import sys; sys.modules['opentelemetry.exporter.otlp.proto.http.trace_exporter'] = None; "

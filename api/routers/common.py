@@ -193,6 +193,18 @@ def sse_frame(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode()
 
 
+async def until_disconnect(request: Request) -> None:
+    """Return when the client of a request whose body has been read goes away.
+
+    For a non-streaming answer computed at length (a chat completion): awaited beside the work, it
+    wakes the moment the server sees the connection close. Cancel it once the answer is ready.
+    """
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
 async def follow_until_disconnect(
     request: Request, channel: RunChannel, *, on_disconnect: Any = None
 ) -> AsyncIterator[tuple[str, Any]]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from elesium.api import chat_completions as chat_service
 from elesium.api.auth import Principal, principal
 from elesium.api.errors import ApiError
-from elesium.api.routers.common import follow_until_disconnect, services
+from elesium.api.routers.common import follow_until_disconnect, services, until_disconnect
 from elesium.api.schemas import ChatCompletionRequest
 
 router = APIRouter(tags=["openai"])
@@ -44,7 +44,7 @@ def models(request: Request, who: Principal = Depends(principal)) -> dict[str, A
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, who: Principal = Depends(principal)
-) -> dict[str, Any] | StreamingResponse | JSONResponse:
+) -> dict[str, Any] | Response:
     """Async without blocking: no Redis here, the generation waits on the engine thread."""
     try:
         chat = chat_service.prepare(services(request), body)
@@ -55,7 +55,11 @@ async def chat_completions(
         return JSONResponse({"detail": exc.detail, "error": error}, status_code=exc.status_code,
                             headers=exc.headers or None)
     if not body.stream:
-        return await chat.complete()
+        answer = await chat.complete(left=until_disconnect(request))
+        if answer is None:
+            # The client left; the generation was stopped and nobody reads this (499, as nginx logs it).
+            return Response(status_code=499)
+        return answer
     channel = chat.start_stream()
     events = follow_until_disconnect(request, channel, on_disconnect=channel.cancel.set)
     return StreamingResponse(

@@ -7,6 +7,7 @@ do their Redis work through ``run_in_threadpool`` and await only the run's chann
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -22,7 +23,14 @@ from elesium.api.auth import Principal, principal
 from elesium.api.errors import Conflict, InvalidRequest, NotFound
 from elesium.api.events import RunChannel
 from elesium.api.execution import Services
-from elesium.api.routers.common import detach, follow_until_disconnect, run_json, services, sse_frame
+from elesium.api.routers.common import (
+    detach,
+    follow_until_disconnect,
+    run_json,
+    services,
+    sse_frame,
+    until_disconnect,
+)
 from elesium.api.schemas import RunCreate
 from elesium.graphs.replay import jsonable
 from elesium.state.threads import RunRow, ThreadRow, public_id
@@ -182,20 +190,40 @@ def create_stateless_run(
     return run_json(row)
 
 
+async def _wait(request: Request, svc: Services, row: RunRow, channel: RunChannel | None,
+                body: RunCreate) -> Response:
+    """The ``wait`` answer. The run goes on when the client leaves (``on_disconnect`` "continue", the
+    default for ``wait``: its result stays readable by ``join``), unless the request asked for
+    "cancel": then the run is cancelled at once, as a stream's is, and frees the engine."""
+    if channel is not None and body.on_disconnect == "cancel":
+        ended = asyncio.ensure_future(channel.wait_closed())
+        left = asyncio.ensure_future(until_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({ended, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not ended.done():
+                ended.cancel()
+        if ended not in done:
+            detach(svc.cancel, row.run_id)  # Redis: off the loop
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
+
+
 @router.post("/threads/{thread_id}/runs/wait")
 async def wait_run(
     thread_id: str, body: RunCreate, request: Request, who: Principal = Depends(principal)
 ) -> Any:
     svc = services(request)
     row, channel = await run_in_threadpool(_create, svc, who, thread_id, body, request)
-    return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
+    return await _wait(request, svc, row, channel, body)
 
 
 @router.post("/runs/wait")
 async def wait_stateless_run(body: RunCreate, request: Request, who: Principal = Depends(principal)) -> Any:
     svc = services(request)
     row, channel = await run_in_threadpool(_create, svc, who, None, body, request)
-    return JSONResponse(jsonable(await _final(svc, row, channel)), headers=_location(row))
+    return await _wait(request, svc, row, channel, body)
 
 
 def _stream_new(
