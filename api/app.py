@@ -108,7 +108,7 @@ def build_services(settings: ApiSettings, engine: TextEngine, registry: Registry
     client = connect(url)
     target = describe(url)
     worker = EngineWorker()
-    metrics = Metrics(queue_depth=lambda: worker.depth)
+    metrics = Metrics(queue_depth=lambda: worker.depth, engine=engine, queued_jobs=lambda: worker.queued)
     saver = metrics.timed_checkpoints(RedisSaver(client, target=target))
     events = RunEvents(client, target=target)
     acceptance = AcceptanceLog(client, target=target, retention=Retention(maxlen=None))
@@ -150,6 +150,18 @@ def start_queue_worker(svc: Services, concurrency: int) -> Any:
     return QueueWorker(svc.queue, execute, concurrency=concurrency).start()
 
 
+def _observe(svc: Services, *, on: bool) -> None:
+    """Feed (or stop feeding) the engine's per-generation timings into this app's serving metrics.
+
+    Only while the app lives: an engine shared by several apps (tests) must not keep a stopped app's
+    metrics alive, nor count into them. An engine without observers (a test double) is skipped.
+    """
+    engine = svc.engine
+    method = getattr(engine, "add_observer" if on else "remove_observer", None)
+    if method is not None:
+        method(svc.metrics.observe_generation)
+
+
 def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None = None,
                registry: Registry | None = None) -> FastAPI:
     """The Elesium API.
@@ -176,6 +188,7 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
             yield
         finally:
             holder.pop("svc", None)
+            _observe(svc, on=False)
             if sweep is not None:
                 sweep.stop()
             if queue_worker is not None:
@@ -209,7 +222,10 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
 
             reg = default_registry()
         svc = build_services(settings, eng, reg)
+        if "svc" in holder:
+            _observe(holder["svc"], on=False)
         holder["svc"] = svc
+        _observe(svc, on=True)
         app.state.services = svc
 
     app.state.install = lambda: _install(app)

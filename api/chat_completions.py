@@ -283,13 +283,16 @@ class ChatCompletion:
     include_usage: bool = False
     cid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
+    # When the request arrived (perf_counter): its serving latencies include the wait for the engine thread.
+    arrived_at: float = field(default_factory=time.perf_counter)
 
     @property
     def model(self) -> str:
         return self.svc.settings.model_name
 
     def _request(self) -> GenerationRequest:
-        return GenerationRequest(self.messages, self.params, mode=self.mode, constraint=self.constraint)
+        return GenerationRequest(self.messages, self.params, mode=self.mode, constraint=self.constraint,
+                                 arrived_at=self.arrived_at)
 
     def _count(self, gen: Any) -> None:
         self.svc.metrics.generated_tokens.inc(gen.new_tokens)

@@ -1,19 +1,29 @@
 """Prometheus metrics of one app, in its own registry (several apps in one process do not clash).
 
 Speculative-decoding counters follow vLLM's names (``vllm:spec_decode_num_drafts`` ...) under the
-``elesium_`` prefix, so existing dashboards translate by renaming.
+``elesium_`` prefix, so existing dashboards translate by renaming. So do the serving-latency ones
+(``vllm:time_to_first_token_seconds`` ...), fed by the engine's per-generation timing records
+(``Engine.add_observer``): every generation the engine serves counts, whichever route started it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+if TYPE_CHECKING:
+    from elesium.inference.records import GenerationTiming
+
+# Serving latencies span a millisecond (one CPU decode step of a small model) to minutes (a long
+# generation queued behind others).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0)
+
 
 class Metrics:
-    def __init__(self, queue_depth: Any = None) -> None:
+    def __init__(self, queue_depth: Any = None, engine: Any = None, queued_jobs: Any = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -64,6 +74,71 @@ class Metrics:
         )
         if queue_depth is not None:
             self.queue_depth.set_function(queue_depth)
+        self.ttft = Histogram(
+            "elesium_time_to_first_token_seconds",
+            "Time from a generation's arrival at the engine (created, queued) to its first token "
+            "(after the prefill)", registry=r, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram(
+            "elesium_inter_token_latency_seconds",
+            "Time between successive tokens of one generation, one observation per token after the "
+            "first: a speculative step committing k tokens after t seconds counts k times t/k (as vLLM)",
+            registry=r, buckets=LATENCY_BUCKETS)
+        self.queue_time = Histogram(
+            "elesium_request_queue_time_seconds",
+            "Time a generation waited for the engine (its FIFO gate) before it ran",
+            registry=r, buckets=LATENCY_BUCKETS)
+        self.prefill_time = Histogram(
+            "elesium_request_prefill_time_seconds",
+            "Time from taking the engine to the first token (the prefill)", registry=r,
+            buckets=LATENCY_BUCKETS)
+        self.decode_time = Histogram(
+            "elesium_request_decode_time_seconds",
+            "Time from the first token to the generation's end (the consumer's pace included)",
+            registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram(
+            "elesium_e2e_request_latency_seconds",
+            "Time from a generation's arrival at the engine to its end (finished, stopped or failed)",
+            registry=r, buckets=LATENCY_BUCKETS)
+        self.running = Gauge(
+            "elesium_num_requests_running",
+            "Generations holding the engine's FIFO gate (0 or 1; a hidden-state forward counts too)",
+            registry=r)
+        self.waiting = Gauge(
+            "elesium_num_requests_waiting",
+            "Generations waiting for the engine: queued at its FIFO gate behind the one that holds "
+            "it, plus requests (chat completions, replays) queued for the API's engine thread",
+            registry=r)
+        # Read at scrape time from the engine's gate (and the engine thread's queue): exact, and back to
+        # 0 by themselves. An engine without a gate (a test double) reads 0.
+        if engine is not None:
+            self.running.set_function(lambda: 1.0 if getattr(engine, "busy", False) else 0.0)
+        self.waiting.set_function(lambda: float(
+            (getattr(engine, "waiting", 0) if engine is not None else 0)
+            + (queued_jobs() if queued_jobs is not None else 0)))
+
+    def observe_generation(self, timing: GenerationTiming) -> None:
+        """An engine observer (``Engine.add_observer``): one ended generation's serving latencies.
+
+        Stages it never reached observe nothing: a generation closed while it queued counts in no
+        histogram; one that ran counts in the queue, prefill, first-token and end-to-end ones however
+        it ended.
+        """
+        queue_s = timing.queue_s
+        if queue_s is None:
+            return
+        self.queue_time.observe(queue_s)
+        ttft, prefill = timing.ttft_s, timing.prefill_s
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if prefill is not None:
+            self.prefill_time.observe(prefill)
+        for itl in timing.inter_token_latencies():
+            self.itl.observe(itl)
+        decode, e2e = timing.decode_s, timing.e2e_s
+        if decode is not None:
+            self.decode_time.observe(decode)
+        if e2e is not None:
+            self.e2e.observe(e2e)
 
     def observe_steps(self, steps: list[Any]) -> None:
         """Count a generation's decode steps (StepRecords) into the spec-decoding counters."""

@@ -30,6 +30,7 @@ class EngineWorker:
     def __init__(self, name: str = "elesium-engine") -> None:
         self._queue: queue.Queue[tuple[concurrent.futures.Future, Callable[[], Any]] | None] = queue.Queue()
         self._pending = 0
+        self._running = 0  # 1 while a job runs
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -38,6 +39,11 @@ class EngineWorker:
     def depth(self) -> int:
         """Jobs queued or running (the ``elesium_engine_queue_depth`` gauge)."""
         return self._pending
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the thread, not yet started (part of ``elesium_num_requests_waiting``)."""
+        return max(0, self._pending - self._running)
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -58,6 +64,7 @@ class EngineWorker:
             if item is None:
                 return
             future, fn = item
+            self._running = 1
             try:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -67,6 +74,7 @@ class EngineWorker:
             finally:
                 with self._lock:
                     self._pending -= 1
+                    self._running = 0
 
     def stop(self, timeout: float = 10.0) -> None:
         self._queue.put(None)

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import logging
 import random
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -38,7 +39,7 @@ from elesium.inference.drafters.files import HeadsMismatchError, default_heads_d
 from elesium.inference.drafters.protocol import DraftHeads
 from elesium.inference.fifo_gate import FifoGate
 from elesium.inference.generation_stream import GenerationStream
-from elesium.inference.records import DecodeMode, Generation, StepRecord, normalize_mode
+from elesium.inference.records import DecodeMode, Generation, GenerationTiming, StepRecord, normalize_mode
 from elesium.inference.runtime.config import DTYPES
 from elesium.inference.runtime.cpu_step import CompiledCpuRunner, use_inductor_cache
 from elesium.inference.runtime.cpu_weights import (
@@ -65,6 +66,7 @@ from elesium.kernels.tree_attention import backend as tree_attention_backend
 from elesium.kernels.tree_attention import set_backend as set_tree_attention
 
 Prompt = str | Sequence[Message]
+TimingObserver = Callable[[GenerationTiming], None]
 log = logging.getLogger("elesium")
 
 
@@ -148,6 +150,10 @@ class Engine:
         else:
             self.runner = ForwardRunner(model, self.cache, heads)
         self._gate = FifoGate()  # owned by one generation at a time, FIFO (generation_stream.py)
+        # Called with each generation's timing when it ends (serving metrics). A tuple replaced under a
+        # lock: notifying iterates a snapshot without locking, and several apps may share this engine.
+        self._observers: tuple[TimingObserver, ...] = ()
+        self._observers_lock = threading.Lock()
 
     @property
     def heads(self) -> DraftHeads | None:
@@ -373,23 +379,27 @@ class Engine:
     def stream(self, prompt: Prompt | list[int], params: SamplingParams | None = None, *,
                mode: DecodeMode | str | None = None, raw: bool = False,
                on_step: Callable[[StepRecord], None] | None = None,
-               constraint: Constraint | None = None, policy: TreePolicy | None = None) -> GenerationStream:
+               constraint: Constraint | None = None, policy: TreePolicy | None = None,
+               arrived_at: float | None = None) -> GenerationStream:
         """Start a generation; iterate the returned stream for chunks, then read ``.result``.
 
         Bad input (empty or too long prompt, a speculative mode without heads) raises here, before
         the stream exists. The stream takes the engine on its first chunk and holds it until it
-        finishes or is closed; ``on_step`` runs outside inference mode, after each step.
+        finishes or is closed; ``on_step`` runs outside inference mode, after each step. ``arrived_at``
+        (``time.perf_counter()``): when the request arrived, if earlier than now (its timing's start).
         """
         params = params or SamplingParams()
         chosen = self.resolve_mode(mode)
         ids = self.encode_prompt(prompt, raw=raw)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        return GenerationStream(self, ids, params, chosen, seed, on_step, constraint, policy)
+        return GenerationStream(self, ids, params, chosen, seed, on_step, constraint, policy,
+                                arrived_at=arrived_at)
 
     def start(self, request: GenerationRequest, *, on_step: StepHook | None = None) -> GenerationStream:
         """:class:`~elesium.inference.types.TextEngine`'s entry: ``stream`` for a request value."""
         return self.stream(request.prompt, request.sampling, mode=request.mode, raw=request.raw,  # type: ignore[arg-type]
-                           on_step=on_step, constraint=request.constraint, policy=request.policy)
+                           on_step=on_step, constraint=request.constraint, policy=request.policy,
+                           arrived_at=request.arrived_at)
 
     def step_cost(self, nodes: int) -> float:
         """Relative cost of one decode step verifying ``nodes`` tree nodes, from the tuned profile: what
@@ -440,6 +450,33 @@ class Engine:
                 return torch.stack([collected[i][0].float().cpu() for i in layers])
         finally:
             self._gate.release(token)
+
+    def add_observer(self, observer: TimingObserver) -> None:
+        """Call ``observer(timing)`` when each generation ends (finished, closed or failed), on the
+        thread that ended it, after the engine was given back.
+
+        Why here: every path that generates (chat completions, workflow runs, replays) goes through
+        this engine, so one observer sees all of them. An observer must be quick and thread-safe; an
+        exception it raises is logged and swallowed, never breaking the generation.
+        """
+        with self._observers_lock:
+            self._observers = (*self._observers, observer)
+
+    def remove_observer(self, observer: TimingObserver) -> None:
+        """Stop calling ``observer`` (one registration of it; one never added is ignored)."""
+        with self._observers_lock:
+            observers = list(self._observers)
+            if observer in observers:
+                observers.remove(observer)
+                self._observers = tuple(observers)
+
+    def _notify(self, timing: GenerationTiming) -> None:
+        """Hand a finished generation's timing to each observer; their failures stay theirs."""
+        for observer in self._observers:
+            try:
+                observer(timing)
+            except Exception:
+                log.exception("generation timing observer %r failed; ignored", observer)
 
     @property
     def waiting(self) -> int:

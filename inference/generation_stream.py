@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from elesium.inference.records import Chunk, DecodeMode, FinishReason, Generation, StepRecord
+from elesium.inference.records import (
+    Chunk,
+    DecodeMode,
+    FinishReason,
+    Generation,
+    GenerationTiming,
+    StepRecord,
+)
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.text_stream import TextStream
 
@@ -46,7 +53,7 @@ class _Run:
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, mode: DecodeMode,
                  seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None,
-                 policy: Any = None) -> None:
+                 policy: Any = None, arrived_at: float | None = None) -> None:
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.params = params
@@ -67,6 +74,11 @@ class _Run:
         self._steps: list[StepRecord] = []
         self._finish: FinishReason | None = None
         self._start = 0.0
+        # Serving latency, handed to the engine's observers when the run ends (Engine.add_observer).
+        # From the request's arrival where the caller queued it first (GenerationRequest.arrived_at).
+        now = time.perf_counter()
+        self.timing = GenerationTiming(now if arrived_at is None else min(arrived_at, now), len(prompt_ids),
+                                       mode)
 
     # -- consumer side ------------------------------------------------------------------------
     def next_chunk(self) -> Chunk:
@@ -119,13 +131,14 @@ class _Run:
                 self._end("closed")
                 return
             self.state = "running"
-            self._start = time.perf_counter()
+            self._start = self.timing.gate_at = time.perf_counter()
             kwargs: dict[str, Any] = {} if self.constraint is None else {"constraint": self.constraint}
             if self.policy is not None:
                 kwargs["policy"] = self.policy
             with torch.inference_mode():
                 self._decoder = engine.make_decoder(self.mode, self.params, Sampler(self.seed), **kwargs)
                 first = self._decoder.prefill(self.prompt_ids)
+            self.timing.first_token_at = time.perf_counter()
             kept, out = self._commit([first])
             if kept:
                 self._chunks.append(Chunk(out, tuple(kept)))
@@ -137,10 +150,14 @@ class _Run:
             else:
                 with torch.inference_mode():
                     tokens, record = self._decoder.step(room)
+                stepped_at = time.perf_counter()
                 self._steps.append(record)
                 if self.on_step is not None:
                     self.on_step(record)  # the caller's code: outside inference mode
                 kept, out = self._commit(tokens)
+                if kept:
+                    self.timing.token_at.append(stepped_at)
+                    self.timing.token_counts.append(len(kept))
                 if kept or out:
                     self._chunks.append(Chunk(out, tuple(kept), record))
         if self._finish is not None:
@@ -182,7 +199,13 @@ class _Run:
             if state != "done":
                 self._chunks.clear()
             self._decoder = None
+            timing = self.timing
+            timing.finished_at = time.perf_counter()
+            timing.state = state
+            timing.output_tokens = len(self._text.token_ids)
         self.engine._gate.release(self)
+        # After the release: observers run on this thread, but the next generation need not wait.
+        self.engine._notify(timing)
 
 
 class GenerationStream:
@@ -195,8 +218,8 @@ class GenerationStream:
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, mode: DecodeMode,
                  seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None,
-                 policy: Any = None) -> None:
-        self._run = _Run(engine, prompt_ids, params, mode, seed, on_step, constraint, policy)
+                 policy: Any = None, *, arrived_at: float | None = None) -> None:
+        self._run = _Run(engine, prompt_ids, params, mode, seed, on_step, constraint, policy, arrived_at)
         finalizer = weakref.finalize(self, self._run.close)
         finalizer.atexit = False
 
@@ -219,6 +242,11 @@ class GenerationStream:
     @property
     def seed(self) -> int:
         return self._run.seed
+
+    @property
+    def timing(self) -> GenerationTiming:
+        """When this generation arrived, took the engine, produced tokens and ended (complete at its end)."""
+        return self._run.timing
 
     @property
     def state(self) -> RunState:

@@ -190,3 +190,69 @@ class Generation:
             "steps": len(self.steps),
             "mean_accepted": self.mean_accepted,
         }
+
+
+@dataclass(eq=False)
+class GenerationTiming:
+    """When one generation reached each stage, on the ``time.perf_counter()`` clock (seconds).
+
+    Why: serving latency (time to first token, queueing behind the engine's FIFO gate, inter-token
+    latency) is measured where the generation runs, so every path that generates (chat completions,
+    workflow runs, replays) is covered without each caller timing itself. The stream fills it in as
+    it goes and hands it to the engine's observers once the generation ends (``Engine.add_observer``).
+    Per decoding step it costs one float and one small int append, nothing else.
+
+    ``token_at[i]`` is when a step that committed ``token_counts[i]`` (>= 1) tokens returned; steps
+    that committed none (an end-of-sequence token) are not listed. Stages never reached stay None
+    (a generation closed while it queued has no ``gate_at``).
+    """
+
+    created_at: float
+    prompt_tokens: int
+    mode: str
+    gate_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    state: str = "new"  # the final state: "done", "closed" (stopped early) or "failed"
+    output_tokens: int = 0  # tokens committed, the prefill's first one included
+    token_at: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Waiting for the engine: from creation to taking the gate."""
+        return None if self.gate_at is None else self.gate_at - self.created_at
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: from creation (arrival at the engine) to the end of the prefill."""
+        return None if self.first_token_at is None else self.first_token_at - self.created_at
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.first_token_at is None or self.gate_at is None:
+            return None
+        return self.first_token_at - self.gate_at
+
+    @property
+    def decode_s(self) -> float | None:
+        """From the first token to the end (includes the consumer's time between chunks)."""
+        if self.finished_at is None or self.first_token_at is None:
+            return None
+        return self.finished_at - self.first_token_at
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.created_at
+
+    def inter_token_latencies(self) -> list[float]:
+        """One value per token after the first: a step committing k tokens after an interval t
+        counts as k tokens of t/k each (as vLLM counts speculative steps)."""
+        out: list[float] = []
+        prev = self.first_token_at
+        if prev is None:
+            return out
+        for at, k in zip(self.token_at, self.token_counts, strict=True):
+            out.extend([(at - prev) / k] * k)
+            prev = at
+        return out

@@ -59,6 +59,10 @@ class GenerationRequest:
     also holds ``max_tokens`` and the stop strings. ``mode`` None means the engine's default mode;
     ``policy`` replaces the engine's tree policy for this generation only (a node's calibration);
     ``raw`` skips the chat template for a string prompt; ``tag`` names the run's call it serves.
+    ``arrived_at`` (``time.perf_counter()``) is when the request reached the server, for a caller that
+    queues it before the engine sees it (the API's engine thread): the generation's serving latencies
+    (queue time, time to first token) count from there; None counts from when the engine got it. It
+    changes no token, so requests that differ only in it are equal.
     """
 
     prompt: Prompt
@@ -68,6 +72,7 @@ class GenerationRequest:
     policy: TreePolicy | None = None
     raw: bool = False
     tag: CallTag | None = None
+    arrived_at: float | None = field(default=None, compare=False)
 
 
 @runtime_checkable
