@@ -107,7 +107,9 @@ def build_services(settings: ApiSettings, engine: TextEngine, registry: Registry
     url = settings.redis_url or default_url()
     client = connect(url)
     target = describe(url)
-    worker = EngineWorker()
+    # One thread per generation the engine can batch (a TextEngine without a batcher: one).
+    batcher = getattr(engine, "batcher", None)
+    worker = EngineWorker(threads=batcher.slots if batcher is not None else 1)
     metrics = Metrics(queue_depth=lambda: worker.depth, engine=engine, queued_jobs=lambda: worker.queued)
     saver = metrics.timed_checkpoints(RedisSaver(client, target=target))
     events = RunEvents(client, target=target)
@@ -213,7 +215,9 @@ def create_app(settings: ApiSettings | None = None, *, engine: TextEngine | None
         if engine is None:
             from elesium.inference.engine import Engine
 
-            eng = Engine.load()
+            loaded = Engine.load()
+            loaded.warm_up()  # before the first request (Engine.warm_up says why)
+            eng = loaded
         else:
             eng = engine
         reg = registry

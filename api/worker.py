@@ -1,7 +1,9 @@
-"""The engine's own thread for what is not a queued run (chat completions, replays), in arrival order.
+"""The engine's threads for what is not a queued run (chat completions, replays), started in arrival order.
 
 Queued workflow runs execute on queue worker threads (:mod:`elesium.api.run_executor`); both end up in
-the same engine, which decodes one sequence at a time behind its FIFO gate.
+the same engine. An engine that batches (``inference/batcher.py``) decodes many generations in each
+step, so it gets as many threads here as it has batch slots: each thread drives one generation and
+the engine's step loop puts them all in one forward. An engine without a batcher gets one thread.
 
 The model runs on one engine that generates one sequence at a time, and a generation is CPU-bound for
 seconds; on the event loop it would freeze health checks, listings and every open SSE stream. So the
@@ -25,15 +27,17 @@ T = TypeVar("T")
 
 
 class EngineWorker:
-    """One daemon thread draining a FIFO of jobs."""
+    """``threads`` daemon threads draining a FIFO of jobs."""
 
-    def __init__(self, name: str = "elesium-engine") -> None:
+    def __init__(self, name: str = "elesium-engine", threads: int = 1) -> None:
         self._queue: queue.Queue[tuple[concurrent.futures.Future, Callable[[], Any]] | None] = queue.Queue()
         self._pending = 0
-        self._running = 0  # 1 while a job runs
+        self._running = 0  # jobs running now
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def depth(self) -> int:
@@ -64,7 +68,8 @@ class EngineWorker:
             if item is None:
                 return
             future, fn = item
-            self._running = 1
+            with self._lock:
+                self._running += 1
             try:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -74,8 +79,10 @@ class EngineWorker:
             finally:
                 with self._lock:
                     self._pending -= 1
-                    self._running = 0
+                    self._running -= 1
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout)

@@ -41,6 +41,7 @@ ENV_VARS: dict[str, str] = {
     "invariant_numerics": "ELESIUM_INVARIANT_NUMERICS",
     "cpu_weights": "ELESIUM_CPU_WEIGHTS",
     "cpu_compile": "ELESIUM_CPU_COMPILE",
+    "max_batch": "ELESIUM_MAX_BATCH",
     "audit_key": "ELESIUM_AUDIT_KEY",
     "audit_signing_key_file": "ELESIUM_AUDIT_SIGNING_KEY_FILE",
     "audit_chain": "ELESIUM_AUDIT_CHAIN",
@@ -81,7 +82,9 @@ class Settings:
     "auto" is gguf-blocks unless a dtype is asked for (``--dtype float32`` keeps the reference)
     (``inference/runtime/cpu_weights.py``). ``cpu_compile`` ("on", "off"; "auto" = on for the fast
     CPU weight formats, off for the float32 reference) runs CPU decode steps through one
-    ``torch.compile``d graph (``inference/runtime/cpu_step.py``).
+    ``torch.compile``d graph (``inference/runtime/cpu_step.py``). ``max_batch`` ("auto" or a count
+    from 1) is how many generations share each decoding step (``inference/batcher.py``); "auto" is
+    16 on the compiled CPU step and 1 (one at a time) elsewhere.
     """
 
     model: str | None = None
@@ -96,6 +99,7 @@ class Settings:
     invariant_numerics: str = "auto"
     cpu_weights: str = "auto"
     cpu_compile: str = "auto"
+    max_batch: str = "auto"
     audit_key: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     audit_signing_key_file: Path | None = None
     audit_chain: str = "on"
@@ -109,6 +113,9 @@ class Settings:
             if value not in allowed:
                 raise SettingsError(f"{ENV_VARS[name]} / {cli_flag(name)} must be one of "
                                     f"{', '.join(allowed)}, not {value!r}")
+        if self.max_batch != "auto" and not (self.max_batch.isdigit() and 1 <= int(self.max_batch) <= 256):
+            raise SettingsError(f"{ENV_VARS['max_batch']} / {cli_flag('max_batch')} must be auto or a count "
+                                f"from 1 to 256, not {self.max_batch!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -124,7 +131,7 @@ class Settings:
             if value is None:
                 continue
             if name in ("appendfsync", "tree_attention", "invariant_numerics", "cpu_weights", "cpu_compile",
-                        "audit_chain"):
+                        "audit_chain", "max_batch"):
                 value = value.lower()
             values[name] = Path(value).expanduser() if name in _PATHS else value
         return cls(**values)

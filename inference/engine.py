@@ -22,6 +22,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -30,6 +31,7 @@ import torch
 
 from elesium.config import Settings
 from elesium.errors import UserError
+from elesium.inference.batcher import Batcher
 from elesium.inference.constraints import Constraint
 from elesium.inference.decoding.speculative import TreeDecoder
 from elesium.inference.decoding.tree_policy import TreePolicy
@@ -97,6 +99,22 @@ class Decoder(Protocol):
         ...
 
 
+DEFAULT_CPU_BATCH = 16
+"""Generations per step on the compiled CPU step: past about 16 rows a step's cost grows in proportion
+to its rows on 2 cores, so a larger batch only adds latency (docs/design/batched-serving.md §6.1)."""
+
+
+def resolve_max_batch(setting: int | str, runner: ForwardRunner) -> int:
+    """How many generations share a step: ``max_batch`` where the runner can batch, else 1.
+
+    Only the compiled CPU step has a batched twin that is bit for bit the one-sequence step; the eager
+    CPU path (SDPA) and the CUDA graphs run one generation at a time.
+    """
+    if not isinstance(runner, CompiledCpuRunner) or not runner.compiled:
+        return 1
+    return DEFAULT_CPU_BATCH if setting == "auto" else int(setting)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,7 +147,7 @@ class Engine:
                  heads: DraftHeads | None = None, policy: TreePolicy | None = None,
                  max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True,
                  profile: TuneProfile | None = None, heads_dir: str = "", heads_reason: str = "",
-                 profile_reason: str = "", cpu_compile: bool = False) -> None:
+                 profile_reason: str = "", cpu_compile: bool = False, max_batch: int | str = "auto") -> None:
         self.model = model
         self.speculate = speculate
         # What Engine.load chose and why (describe(), fingerprint(), the load log line).
@@ -150,6 +168,9 @@ class Engine:
         else:
             self.runner = ForwardRunner(model, self.cache, heads)
         self._gate = FifoGate()  # owned by one generation at a time, FIFO (generation_stream.py)
+        # Many generations per step (batcher.py) where the step can batch: the compiled CPU step.
+        slots = resolve_max_batch(max_batch, self.runner)
+        self.batcher: Batcher | None = Batcher(self, slots) if slots > 1 else None
         # Called with each generation's timing when it ends (serving metrics). A tuple replaced under a
         # lock: notifying iterates a snapshot without locking, and several apps may share this engine.
         self._observers: tuple[TimingObserver, ...] = ()
@@ -232,7 +253,8 @@ class Engine:
                                   profile, settings.cache_dir, dev, dt) else "shipped with the package")
         engine = cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
                      cuda_graphs=cuda_graphs, speculate=speculate, profile=profile, heads_dir=heads_dir,
-                     heads_reason=heads_reason, profile_reason=profile_reason, cpu_compile=cpu_compile)
+                     heads_reason=heads_reason, profile_reason=profile_reason, cpu_compile=cpu_compile,
+                     max_batch=settings.max_batch)
         d = engine.describe()
         log.info("engine: model %s on %s/%s; heads %s (%s); profile %s (%s); default mode %s (%s); "
                  "tree attention %s", weights.source.name, d["device"], d["dtype"], d["heads_dir"] or "none",
@@ -391,6 +413,8 @@ class Engine:
         params = params or SamplingParams()
         chosen = self.resolve_mode(mode)
         ids = self.encode_prompt(prompt, raw=raw)
+        if self.batcher is not None:
+            self.batcher.check_room()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         return GenerationStream(self, ids, params, chosen, seed, on_step, constraint, policy,
                                 arrived_at=arrived_at)
@@ -400,6 +424,20 @@ class Engine:
         return self.stream(request.prompt, request.sampling, mode=request.mode, raw=request.raw,  # type: ignore[arg-type]
                            on_step=on_step, constraint=request.constraint, policy=request.policy,
                            arrived_at=request.arrived_at)
+
+    def warm_up(self) -> float:
+        """Compile what serving needs before the first request (seconds taken): the one-sequence step,
+        by a two-token generation, and the batched step where there is a batcher.
+
+        Why: each graph costs ~10 s to trace even with inductor's cache warm (minutes cold), and a
+        graph compiled by a request makes every request running beside it wait. Servers call this at
+        start; a one-shot ``generate`` need not (it never runs two rows).
+        """
+        started = time.perf_counter()
+        self.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0), mode="vanilla")
+        if self.batcher is not None:
+            self.batcher.warm_up()
+        return time.perf_counter() - started
 
     def step_cost(self, nodes: int) -> float:
         """Relative cost of one decode step verifying ``nodes`` tree nodes, from the tuned profile: what
@@ -438,18 +476,23 @@ class Engine:
         if not layers or any(not 0 <= i <= n_layers for i in layers):
             raise ValueError(f"layers must be in 0..{n_layers}, got {list(layers)}")
         ids = self.encode_prompt(list(prompt_ids))
+        if self.batcher is not None:  # on the step loop, between steps: one thread drives the model
+            return self.batcher.call(lambda: self._hidden_states(ids, layers))
         token = object()
         self._gate.acquire(token)
         try:
-            with torch.inference_mode():
-                cache = self.model.new_cache(len(ids))
-                tokens = torch.tensor([ids], device=self.model.device)
-                positions = torch.arange(len(ids), device=self.model.device)
-                collected: list[torch.Tensor] = []
-                self.model(tokens, positions, cache, 0, collect=collected)
-                return torch.stack([collected[i][0].float().cpu() for i in layers])
+            return self._hidden_states(ids, layers)
         finally:
             self._gate.release(token)
+
+    def _hidden_states(self, ids: list[int], layers: Sequence[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            cache = self.model.new_cache(len(ids))
+            tokens = torch.tensor([ids], device=self.model.device)
+            positions = torch.arange(len(ids), device=self.model.device)
+            collected: list[torch.Tensor] = []
+            self.model(tokens, positions, cache, 0, collect=collected)
+            return torch.stack([collected[i][0].float().cpu() for i in layers])
 
     def add_observer(self, observer: TimingObserver) -> None:
         """Call ``observer(timing)`` when each generation ends (finished, closed or failed), on the
@@ -480,11 +523,22 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        """Generations queued behind the one that holds the engine (for metrics and tests)."""
-        return self._gate.waiting
+        """Generations waiting to start: behind the one that holds the engine, or for a batch slot."""
+        return self.batcher.waiting if self.batcher is not None else self._gate.waiting
+
+    @property
+    def running(self) -> int:
+        """Generations being decoded now (at most one without a batcher)."""
+        return self.batcher.running if self.batcher is not None else int(self._gate.busy)
 
     @property
     def busy(self) -> bool:
         """Whether a generation holds the engine now."""
-        return self._gate.busy
+        return self.running > 0
+
+    def _wake(self) -> None:
+        """Wake generations waiting to start, so a cancelled one notices (``GenerationStream.close``)."""
+        self._gate.wake()
+        if self.batcher is not None:
+            self.batcher.wake()
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.records import (
     Chunk,
     DecodeMode,
@@ -73,6 +74,10 @@ class _Run:
         self._text = TextStream(engine.tokenizer, params.stop)
         self._steps: list[StepRecord] = []
         self._finish: FinishReason | None = None
+        # What the last prefill or step produced (tokens, its record or None for the prefill, when),
+        # and an error raised doing it on the batcher's thread, for this stream's consumer to raise.
+        self._produced: tuple[list[int], StepRecord | None, float] | None = None
+        self._error: BaseException | None = None
         self._start = 0.0
         # Serving latency, handed to the engine's observers when the run ends (Engine.add_observer).
         # From the request's arrival where the caller queued it first (GenerationRequest.arrived_at).
@@ -117,19 +122,38 @@ class _Run:
             in_step = self._busy
         if in_step:
             # The owner thread ends the run when its step returns; a thread still queued for the gate
-            # must wake up to notice the cancellation.
-            self.engine._gate.wake()
+            # (or for the batcher) must wake up to notice the cancellation.
+            self.engine._wake()
         else:
             self._end("closed")
 
     # -- producer side ------------------------------------------------------------------------
     def _advance(self) -> None:
-        """Take the engine if needed, run the prefill or one decoding step, queue what became final."""
+        """Have the prefill or one decoding step run, then queue what became final.
+
+        With a batcher (``inference/batcher.py``) the engine's step loop does the work, possibly as one
+        row of a shared forward; without one this thread takes the engine's gate and does it itself.
+        """
         engine = self.engine
-        if self.state == "new":
-            if not engine._gate.acquire(self, cancelled=lambda: self._cancel):
+        batcher = engine.batcher
+        if batcher is not None:
+            if not batcher.run(self):
                 self._end("closed")
                 return
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+        else:
+            if self.state == "new" and not engine._gate.acquire(self, cancelled=lambda: self._cancel):
+                self._end("closed")
+                return
+            self._work()
+        self._publish()
+
+    def _work(self) -> None:
+        """The prefill or one step, on the thread driving the model; the outcome waits in ``_produced``."""
+        engine = self.engine
+        if self.state == "new":
             self.state = "running"
             self._start = self.timing.gate_at = time.perf_counter()
             kwargs: dict[str, Any] = {} if self.constraint is None else {"constraint": self.constraint}
@@ -139,18 +163,35 @@ class _Run:
                 self._decoder = engine.make_decoder(self.mode, self.params, Sampler(self.seed), **kwargs)
                 first = self._decoder.prefill(self.prompt_ids)
             self.timing.first_token_at = time.perf_counter()
-            kept, out = self._commit([first])
-            if kept:
-                self._chunks.append(Chunk(out, tuple(kept)))
-        else:
-            assert self._decoder is not None
-            room = engine.context_length - self._decoder.offset
-            if room < 1:
-                self._finish = "length"
+            self._produced = ([first], None, 0.0)
+            return
+        assert self._decoder is not None
+        room = engine.context_length - self._decoder.offset
+        if room < 1:
+            self._finish = "length"
+            self._produced = None
+            return
+        with torch.inference_mode():
+            tokens, record = self._decoder.step(room)
+        self._produced = (tokens, record, time.perf_counter())
+
+    def _take_row(self, logits: torch.Tensor, greedy: int, start: float) -> None:
+        """Finish a step that ran as one row of the batcher's shared forward."""
+        decoder = self._decoder
+        assert isinstance(decoder, VanillaDecoder)
+        tokens, record = decoder.take(logits, greedy, start)
+        self._produced = (tokens, record, time.perf_counter())
+
+    def _publish(self) -> None:
+        """Apply the outcome of ``_work``: stop conditions, chunks, ``on_step``, the result at the end."""
+        produced, self._produced = self._produced, None
+        if produced is not None:
+            tokens, record, stepped_at = produced
+            if record is None:  # the prefill's first token
+                kept, out = self._commit(tokens)
+                if kept:
+                    self._chunks.append(Chunk(out, tuple(kept)))
             else:
-                with torch.inference_mode():
-                    tokens, record = self._decoder.step(room)
-                stepped_at = time.perf_counter()
                 self._steps.append(record)
                 if self.on_step is not None:
                     self.on_step(record)  # the caller's code: outside inference mode
@@ -203,7 +244,10 @@ class _Run:
             timing.finished_at = time.perf_counter()
             timing.state = state
             timing.output_tokens = len(self._text.token_ids)
-        self.engine._gate.release(self)
+        if self.engine.batcher is not None:
+            self.engine.batcher.release(self)
+        else:
+            self.engine._gate.release(self)
         # After the release: observers run on this thread, but the next generation need not wait.
         self.engine._notify(timing)
 

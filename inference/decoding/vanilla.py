@@ -64,10 +64,22 @@ class VanillaDecoder:
             draw = None if greedy else functools.partial(self.sampler.uniforms, wanted)
             self._chain = self.runner.decode_chain(self.pending, self.offset, self.params, draw)
         if self._chain is not None:
-            token = self._chain.next_token(wanted)
-        else:
-            out = self.runner.decode([self.pending], [self.offset], self.offset)
-            token = int(out.greedy[0]) if greedy else self._choose(out.logits[0])
+            return self._advance(self._chain.next_token(wanted), start)
+        out = self.runner.decode([self.pending], [self.offset], self.offset)
+        return self.take(out.logits[0], int(out.greedy[0]), start)
+
+    @property
+    def batchable(self) -> bool:
+        """Whether this decoder's next step may be one row of a batched forward (not a device chain)."""
+        return self._chain is None
+
+    def take(self, logits: torch.Tensor, greedy_token: int, start: float) -> tuple[list[int], StepRecord]:
+        """Finish a step whose forward ran elsewhere (alone, or as one row of a batch): the logits of the
+        pending token and their argmax. The same choice ``step`` makes, so a row's token is its solo token."""
+        greedy = self.params.greedy and self.grammar is None
+        return self._advance(greedy_token if greedy else self._choose(logits), start)
+
+    def _advance(self, token: int, start: float) -> tuple[list[int], StepRecord]:
         self.offset += 1
         self.pending = token
         record = StepRecord(step=self.steps, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,

@@ -35,6 +35,13 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache over tensors the caller owns (one sequence's view of a ``SlotPool``)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        return cache
+
     @property
     def max_len(self) -> int:
         return self.k.shape[3]

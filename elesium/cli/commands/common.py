@@ -70,6 +70,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="CPU decode steps through one torch.compile'd graph (first start compiles for "
                        f"about a minute, later starts load the cache) (default: {_env('cpu_compile')}, "
                        "else auto: on for gguf-blocks and bfloat16, off for the float32 reference)")
+    group.add_argument("--max-batch", default=None, metavar="N",
+                       help="generations that share each decoding step (default: "
+                       f"{_env('max_batch')}, else auto: 16 on the compiled CPU step, 1 elsewhere)")
 
 
 def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:

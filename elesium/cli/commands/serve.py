@@ -4,9 +4,9 @@ Keys come from ``ELESIUM_API_KEYS`` / ``ELESIUM_API_KEYS_FILE``; without any, th
 start unless ``--no-auth`` is given, which it announces, so a forgotten variable never serves
 everyone silently.
 
-Runs go through the durable run queue in Redis. By default this process also executes them
-(``--workers 1``); ``--workers 0`` makes it a pure API server, with ``elesium worker`` processes on
-any machine doing the work. On SIGTERM uvicorn stops taking requests and in-flight runs get
+Runs go through the durable run queue in Redis. By default this process also executes them, as
+many at once as the engine decodes in one step (``--workers N`` to choose); ``--workers 0`` makes
+it a pure API server, with ``elesium worker`` processes on any machine doing the work. On SIGTERM uvicorn stops taking requests and in-flight runs get
 ``--grace`` seconds before they are handed back to the queue.
 """
 
@@ -41,8 +41,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept requests without an API key (local use only; every caller is tenant 'default')",
     )
-    p.add_argument("--workers", type=int, default=1,
-                   help="queued runs this process executes at once (0: leave them to `elesium worker`)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="queued runs this process executes at once (default: as many as the engine "
+                   "decodes in one step, 16 on the CPU, else 1; 0: leave them to `elesium worker`)")
     p.add_argument("--queue", default="default", help="the run queue (default: default)")
     p.add_argument("--run-timeout", type=float, default=0.0,
                    help="seconds a run may execute before it is stopped as timeout (0: no limit)")
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--port {args.port} is not a TCP port")
     limits = (("--max-prompt-tokens", args.max_prompt_tokens, 0),
               ("--max-tokens-cap", args.max_tokens_cap, 1), ("--max-body-bytes", args.max_body_bytes, 0))
-    for flag, value, low in (("--workers", args.workers, 0), ("--run-timeout", args.run_timeout, 0),
+    for flag, value, low in (("--workers", args.workers or 0, 0), ("--run-timeout", args.run_timeout, 0),
                              ("--lease-ttl", args.lease_ttl, 0.5), ("--grace", args.grace, 0),
                              *((f, v, lo) for f, v, lo in limits if v is not None)):
         if value < low:
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     settings.self_tuning = settings.self_tuning or args.self_tuning
-    settings.workers, settings.run_timeout_s, settings.queue_name = args.workers, args.run_timeout, args.queue
+    settings.workers, settings.run_timeout_s = args.workers or 0, args.run_timeout
+    settings.queue_name = args.queue
     settings.lease_ttl_s, settings.shutdown_grace_s = args.lease_ttl, args.grace
     apply_limit_flags(settings, args)
     if settings.auth and not settings.api_keys:
@@ -110,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     registry = registry_from_args(args)  # the project's graphs, imported before the model loads
     print(f"elesium serve: graphs: {', '.join(w.name for w in registry.list())}", file=sys.stderr)
     engine = load_engine(args)
+    if args.workers is None:  # every run the engine can batch gets a thread to drive it
+        settings.workers = engine.batcher.slots if engine.batcher is not None else 1
+    # Before the first request: a graph compiled by a request makes every request beside it wait.
+    print(f"elesium serve: engine warmed up in {engine.warm_up():.1f} s", file=sys.stderr)
     app = create_app(settings, engine=engine, registry=registry)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found.
     # The default handler would kill the process there, before atexit stops the embedded Valkey (left

@@ -1,0 +1,318 @@
+"""Continuous batching: every generation that wants its next step gets it in one shared forward.
+
+Without it the engine served one generation at a time: ten workflow runs started together finished
+one after another. With it, each generation holds a slot of a :class:`SlotPool` (its own KV cache)
+from its prefill to its end, and one thread, the step loop, owns the model:
+
+1. consumers ask for their next step (``GenerationStream`` pulls chunks as before, so nothing runs
+   ahead of what its caller reads); the loop gathers the asks for a few milliseconds, until every
+   running generation has asked or ``GATHER_S`` passes, so that a slow consumer delays the others by
+   at most that;
+2. new generations are admitted in arrival order while slots are free, and prefilled one by one;
+3. every running vanilla generation contributes one row to **one** batched forward
+   (``runtime/batched_step.py``); a generation alone, a tree step (speculative decoding), and a
+   device chain run their own forward on their own slot, through the same graphs the one-at-a-time
+   engine always used;
+4. each row's logits go back to its own decoder, which picks the token exactly as it would alone.
+
+Joining and leaving happen between steps (a closed stream leaves at the next one, and its slot is
+free for the next request). Exactness: a batched row computes bit for bit what the one-sequence step
+computes (``tests/test_batched_step.py``), prefill is the same eager call into a cache of the same
+layout, and sampling is per generation, so a generation's tokens do not depend on what else runs.
+
+Work that needs the model but is not a generation (``Engine.hidden_states``) runs on the loop too,
+between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
+
+Not here yet (``docs/design/batched-serving.md``): chunked prefill mixed with decode rows (a long
+prompt's prefill stalls the other generations while it runs), prefix sharing between slots,
+speculative trees inside the batch, per-tenant fairness and deadlines, and CUDA (the CUDA engine keeps
+its captured one-sequence graphs and serves one generation at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from elesium.errors import UserError
+from elesium.inference.decoding.vanilla import VanillaDecoder
+from elesium.inference.runtime.batched_step import BatchedCpuStep
+from elesium.inference.runtime.cpu_step import window_for
+from elesium.inference.runtime.slot_pool import SlotPool
+
+if TYPE_CHECKING:
+    from elesium.inference.engine import Engine
+    from elesium.inference.generation_stream import _Run
+
+T = TypeVar("T")
+log = logging.getLogger("elesium")
+
+GATHER_S = 0.004
+"""How long the loop waits for running generations that have not asked for their next step yet."""
+IDLE_EXIT_S = 30.0
+"""The loop's thread ends after this long without work (it starts again on the next request), so an
+engine that is dropped is not kept alive by its thread."""
+RESERVE_AHEAD = 512
+"""Positions past a generation's offset zeroed before its solo work (``SlotPool.reserve``): more than
+any prefill chunk's or tree's reach within one step."""
+
+
+class EngineBusyError(UserError, RuntimeError):
+    """More generations are waiting for the engine than it queues (``max_waiting``)."""
+
+
+class _Job:
+    """A function to run on the loop's thread, and its outcome."""
+
+    __slots__ = ("done", "error", "fn", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class Batcher:
+    """The step loop of one engine: admission to slots, one batched forward per step, solo work between."""
+
+    def __init__(self, engine: Engine, slots: int, *, max_waiting: int = 1024, compiled: bool = True) -> None:
+        self.engine = engine
+        self.slots = slots
+        self.max_waiting = max_waiting
+        self._compiled = compiled
+        self._pool: SlotPool | None = None  # taken on first use: an idle engine reserves nothing
+        self._step: BatchedCpuStep | None = None
+        self._step_ready = threading.Event()  # the batched graph is compiled
+        self._warm_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._free: list[int] = list(range(slots - 1, -1, -1))
+        self._slot: dict[_Run, int] = {}  # generations holding a slot (running or being prefilled)
+        self._wanted: dict[_Run, None] = {}  # generations whose consumer waits for their next step, in order
+        self._taken: set[_Run] = set()  # asks the loop is working on now
+        self._done: set[_Run] = set()
+        self._jobs: deque[_Job] = deque()
+        self._thread: threading.Thread | None = None
+        # Counters for metrics and tests: forwards run, and rows of the batched ones.
+        self.batched_steps = 0
+        self.batched_rows = 0
+        self.solo_steps = 0
+        self.last_batch = 0
+        self.largest_batch = 0
+
+    # -- what the engine and its streams call ------------------------------------------------------
+    @property
+    def pool(self) -> SlotPool:
+        """``slots`` slots for generations plus one scratch slot for the warm-up's writes."""
+        if self._pool is None:
+            model = self.engine.model
+            self._pool = SlotPool(model.config, self.slots + 1, self.engine.context_length, model.device,
+                                  model.dtype)
+        return self._pool
+
+    def warm_up(self) -> None:
+        """Compile the batched step now (once), on the calling thread: servers call it at start.
+
+        Why ahead: compiling takes ~10 s with a warm inductor cache and minutes without. Left to the
+        first step that could batch, it runs on the step loop and every running generation waits for
+        it. Compiling on a thread beside the loop was tried and is worse: the trace holds the GIL,
+        and the loop's solo steps ran about 7x slower for the whole compile (88 s against 12 s for
+        twelve short generations, BENCHMARKS §16).
+        """
+        with self._warm_lock:
+            if self._step_ready.is_set():
+                return
+            started = time.perf_counter()
+            step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled)
+            scratch = self.slots  # never handed to a generation
+            step.decode([0, 0], [0, 1], [scratch, scratch])
+            self._step = step
+            self._step_ready.set()
+            log.info("batched step ready in %.1f s", time.perf_counter() - started)
+
+    @property
+    def batching(self) -> bool:
+        """Whether the batched step is compiled (before that, no step has had two rows)."""
+        return self._step_ready.is_set()
+
+    @property
+    def running(self) -> int:
+        """Generations holding a slot."""
+        with self._cond:
+            return len(self._slot)
+
+    @property
+    def waiting(self) -> int:
+        """Generations that asked to start and have no slot yet."""
+        with self._cond:
+            return sum(1 for r in self._wanted if r not in self._slot)
+
+    def check_room(self) -> None:
+        """Refuse a new generation when the queue is full (the caller should retry later)."""
+        if self.waiting >= self.max_waiting:
+            raise EngineBusyError(f"the engine is busy: {self.max_waiting} generations are already waiting "
+                                  "for it; retry later")
+
+    def run(self, run: _Run) -> bool:
+        """Have the loop do ``run``'s next piece of work (its prefill or one step); wait for it.
+
+        Returns False, without doing it, when the run was cancelled before the loop took it.
+        """
+        with self._cond:
+            self._start_thread()
+            self._wanted[run] = None
+            self._cond.notify_all()
+            while True:
+                if run in self._done:
+                    self._done.discard(run)
+                    return True
+                if run._cancel and run not in self._taken:
+                    self._wanted.pop(run, None)
+                    self._cond.notify_all()
+                    return False
+                self._cond.wait()
+
+    def release(self, run: _Run) -> None:
+        """``run`` ended: free its slot and forget its asks."""
+        with self._cond:
+            slot = self._slot.pop(run, None)
+            if slot is not None:
+                self._free.append(slot)
+            self._wanted.pop(run, None)
+            self._done.discard(run)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make waiting consumers re-check their cancellation."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the loop's thread between two steps and return its value (or raise its error)."""
+        job = _Job(fn)
+        with self._cond:
+            self._start_thread()
+            self._jobs.append(job)
+            self._cond.notify_all()
+            while not job.done:
+                self._cond.wait()
+        if job.error is not None:
+            raise job.error
+        return job.value  # type: ignore[no-any-return]
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="elesium-step-loop", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                idle_since = time.monotonic()
+                while not self._wanted and not self._jobs:
+                    left = IDLE_EXIT_S - (time.monotonic() - idle_since)
+                    if left <= 0:
+                        self._thread = None
+                        return
+                    self._cond.wait(left)
+                deadline = time.monotonic() + GATHER_S
+                while not self._jobs and any(r not in self._wanted for r in self._slot):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                jobs = list(self._jobs)
+                self._jobs.clear()
+                self._admit()
+                work = [r for r in self._wanted if r in self._slot]
+                self._taken.update(work)
+            for job in jobs:
+                try:
+                    job.value = job.fn()
+                except BaseException as exc:  # handed to the caller, which raises it
+                    job.error = exc
+                job.done = True
+            try:
+                self._execute(work)
+            except BaseException as exc:  # a bug here must fail these generations, not hang them
+                log.exception("the engine's step loop failed")
+                for run in work:
+                    run._error = run._error or exc
+            with self._cond:
+                for run in work:
+                    self._wanted.pop(run, None)
+                    self._taken.discard(run)
+                    self._done.add(run)
+                self._cond.notify_all()
+
+    def _admit(self) -> None:
+        """Give free slots to new generations, first come first served (called under the lock)."""
+        # Heads with a drafting cache of their own keep one sequence's drafting state in the runner:
+        # one speculative generation at a time then (vanilla ones never touch it).
+        one_tree = self.engine.runner.drafter_cache is not None
+        for run in self._wanted:
+            if run in self._slot or run._cancel:
+                continue
+            if not self._free:
+                return
+            if one_tree and run.mode != "vanilla" and any(r.mode != "vanilla" for r in self._slot):
+                return
+            self._slot[run] = self._free.pop()
+
+    def _execute(self, work: list[_Run]) -> None:
+        rows = [r for r in work if r.state == "running" and _batchable(r)]
+        if len(rows) < 2:
+            rows = []
+        elif not self._step_ready.is_set():
+            log.warning("compiling the batched step on the step loop: %d generations wait for it "
+                        "(warm the engine up at start: Engine.warm_up)", len(work))
+            self.warm_up()
+        engine, pool = self.engine, self.pool
+        runner = engine.runner
+        for run in work:
+            if rows and run in rows:
+                continue
+            slot = self._slot[run]
+            offset = run._decoder.offset if run._decoder is not None else len(run.prompt_ids)
+            pool.reserve(slot, window_for(offset + RESERVE_AHEAD, pool.max_len))
+            runner.cache = pool.cache(slot)
+            try:
+                run._work()
+            except BaseException as exc:
+                run._error = exc
+            finally:
+                runner.cache = engine.cache
+            self.solo_steps += 1
+        if not rows:
+            return
+        assert self._step is not None
+        decoders = [r._decoder for r in rows]
+        assert all(isinstance(d, VanillaDecoder) for d in decoders)
+        start = time.perf_counter()
+        logits, greedy = self._step.decode([d.pending for d in decoders],  # type: ignore[union-attr]
+                                           [d.offset for d in decoders],  # type: ignore[union-attr]
+                                           [self._slot[r] for r in rows])
+        self.batched_steps += 1
+        self.batched_rows += len(rows)
+        self.last_batch = len(rows)
+        self.largest_batch = max(self.largest_batch, len(rows))
+        with torch.inference_mode():
+            for b, run in enumerate(rows):
+                try:
+                    run._take_row(logits[b], int(greedy[b]), start)
+                except BaseException as exc:
+                    run._error = exc
+
+
+def _batchable(run: _Run) -> bool:
+    """Whether ``run``'s next step can be a row of the batched forward: a vanilla step with room left."""
+    decoder = run._decoder
+    return (isinstance(decoder, VanillaDecoder) and decoder.batchable
+            and decoder.offset < run.engine.context_length)

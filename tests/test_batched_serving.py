@@ -1,0 +1,252 @@
+"""Batched serving (issue 38): many generations share each decoding step, and each gets exactly the tokens
+it gets alone.
+
+The batched forward is held to the one-sequence step bit for bit (eager against eager on a small random
+model, compiled against compiled on the real model); the engine's step loop is held to the engine without
+a batcher on 16 prompts of mixed lengths that join at staggered steps, greedy and seeded, vanilla and
+speculative; a closed generation leaves at the next step and frees its slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+import torch
+
+from elesium.config import Settings
+from elesium.errors import SettingsError
+from elesium.inference.batcher import EngineBusyError
+from elesium.inference.engine import resolve_max_batch
+from elesium.inference.runtime.batched_step import BatchedCpuStep, batched_decode_forward
+from elesium.inference.runtime.cpu_step import step_forward, window_for
+from elesium.inference.runtime.slot_pool import SlotPool
+from elesium.inference.sampling import SamplingParams
+from helpers import rowwise_tiny_model
+
+
+def test_batched_forward_rows_equal_the_one_sequence_step_eagerly():
+    """Reference check on random inputs: each row of one batched forward against ``step_forward`` on
+    that sequence alone (its own cache, its own window), bit for bit, for random offsets and slot subsets."""
+    model = rowwise_tiny_model()
+    pool = SlotPool(model.config, 6, 256, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    for s in range(6):
+        pool.reserve(s, 256)
+        pool.k[s].copy_(torch.randn(pool.k[s].shape, generator=gen))
+        pool.v[s].copy_(torch.randn(pool.v[s].shape, generator=gen))
+    with torch.inference_mode():
+        for trial in range(6):
+            b = 2 + trial % 5
+            slots = torch.randperm(6, generator=gen)[:b]
+            offsets = torch.randint(0, 240, (b,), generator=gen)
+            tokens = torch.randint(0, 40, (b, 1), generator=gen)
+            width = window_for(int(offsets.max()) + 1, 256)
+            logits, greedy, keys, values = batched_decode_forward(
+                model, tokens, offsets, slots, pool.k[:, :, 0, :, :width], pool.v[:, :, 0, :, :width])
+            for row in range(b):
+                s, off = int(slots[row]), int(offsets[row])
+                own = window_for(off + 1, 256)  # the window the sequence reads alone: narrower
+                cache = pool.cache(s)
+                _, solo_logits, solo_greedy, solo_k, solo_v = step_forward(
+                    model, tokens[row:row + 1], torch.tensor([off]), torch.tensor(off),
+                    cache.k[:, :, :, :own], cache.v[:, :, :, :own], model.causal(1))
+                assert torch.equal(logits[row], solo_logits[0, 0]), (trial, row)
+                assert int(greedy[row]) == int(solo_greedy[0, 0])
+                assert torch.equal(keys[:, row], solo_k[:, 0]) and torch.equal(values[:, row], solo_v[:, 0])
+
+
+def test_batched_step_writes_each_rows_keys_at_its_own_slot_and_offset():
+    model = rowwise_tiny_model()
+    pool = SlotPool(model.config, 4, 256, torch.device("cpu"), torch.float32)
+    for s in range(4):
+        pool.reserve(s, 256)
+    before_k = pool.k.clone()
+    step = BatchedCpuStep(model, pool, compiled=False)
+    step.decode([5, 7, 9], [10, 0, 42], [3, 1, 2])
+    changed = (pool.k != before_k).any(dim=(1, 2, 3, 5)).nonzero().tolist()  # [slot, position]
+    assert sorted(changed) == [[1, 0], [2, 42], [3, 10]]
+    with pytest.raises(ValueError, match="2 or more rows"):
+        step.decode([5], [3], [0])
+
+
+def test_slot_pool_zeroes_positions_on_first_use_only():
+    model = rowwise_tiny_model()
+    pool = SlotPool(model.config, 2, 256, torch.device("cpu"), torch.float32)
+    pool.reserve(0, 40)
+    assert not pool.k[0, :, :, :, :40].any()
+    pool.k[0, :, :, :, :40] = 1.0
+    pool.reserve(0, 30)  # already zeroed: never zeroed again (that would erase a running sequence)
+    assert bool((pool.k[0, :, :, :, :40] == 1.0).all())
+    pool.reserve(0, 64)
+    assert not pool.k[0, :, :, :, 40:64].any() and bool((pool.k[0, :, :, :, :40] == 1.0).all())
+
+
+# -- the real model, compiled -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def batched(default_engine):
+    """The default engine with its batched step compiled (Engine.warm_up, as ``elesium serve`` does)."""
+    if default_engine.batcher is None:
+        pytest.fail("the default CPU engine should batch (compiled step, ELESIUM_MAX_BATCH auto)")
+    default_engine.warm_up()
+    return default_engine
+
+
+def test_compiled_batched_rows_equal_the_compiled_one_sequence_step(batched, mt_bench_prompts):
+    """The graphs that serve: each row of the compiled batched step against the compiled one-token step
+    the engine runs for a sequence alone, bit for bit, with contexts of different lengths side by side."""
+    engine, batcher = batched, batched.batcher
+    pool, runner = batcher.pool, engine.runner
+    prompts = [engine.encode_prompt(p)[: 20 + 37 * i] for i, p in enumerate(mt_bench_prompts[:5])]
+    slots = [0, 3, 1, 4, 2]
+    solo: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for slot, ids in zip(slots, prompts, strict=True):
+            pool.reserve(slot, window_for(len(ids) + 512, pool.max_len))
+            runner.cache = pool.cache(slot)
+            try:
+                runner.prefill(ids)
+                solo.append(runner.decode([ids[-1]], [len(ids)], len(ids)).logits[0].clone())
+            finally:
+                runner.cache = engine.cache
+    assert batcher._step is not None
+    for subset in ([0, 1], [0, 1, 2, 3, 4], [4, 2, 0]):
+        logits, greedy = batcher._step.decode([prompts[i][-1] for i in subset],
+                                              [len(prompts[i]) for i in subset], [slots[i] for i in subset])
+        for row, i in enumerate(subset):
+            assert torch.equal(logits[row], solo[i]), (subset, i)
+            assert int(greedy[row]) == int(solo[i].argmax())
+
+
+CASES = [("vanilla", None), ("vanilla", 0.7), ("speculative", None), ("speculative", 0.7)]
+
+
+def _params(i: int) -> tuple[str, SamplingParams]:
+    mode, temperature = CASES[i % len(CASES)]
+    if temperature is None:
+        return mode, SamplingParams(max_tokens=20, temperature=0.0)
+    return mode, SamplingParams(max_tokens=20, temperature=temperature, top_p=0.95, seed=1000 + i)
+
+
+def test_sixteen_staggered_generations_get_their_solo_tokens(batched, mt_bench_prompts):
+    """16 prompts of mixed lengths, greedy and seeded T = 0.7, vanilla and speculative, each joining a few
+    steps after the one before: every generation's tokens equal the ones it gets from the engine with no
+    batcher at all (one generation at a time on its own cache, as before batching)."""
+    engine, batcher = batched, batched.batcher
+    if "speculative" not in engine.modes:
+        pytest.fail("the default engine should load its shipped heads (speculative mode)")
+    prompts = [p[: 40 + 61 * (i % 7)] for i, p in enumerate(mt_bench_prompts[:16])]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, _params(i)[1], mode=_params(i)[0]).token_ids
+                for i, p in enumerate(prompts)]
+    finally:
+        engine.batcher = batcher
+    steps_before, largest_before = batcher.batched_steps, batcher.largest_batch
+    batcher.largest_batch = 0
+    got: dict[int, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while batcher.batched_steps + batcher.solo_steps < base + 2 * i and time.monotonic() < deadline:
+                time.sleep(0.001)  # join at a later step than the one before
+            mode, params = _params(i)
+            got[i] = engine.generate(prompts[i], params, mode=mode).token_ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    base = batcher.batched_steps + batcher.solo_steps
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert batcher.batched_steps > steps_before and batcher.largest_batch >= 4, "they did not batch"
+    batcher.largest_batch = max(batcher.largest_batch, largest_before)
+    for i in range(16):
+        assert got[i] == solo[i], (i, _params(i))
+    assert batcher.running == 0 and batcher.waiting == 0
+
+
+def test_a_closed_generation_leaves_at_the_next_step(batched, mt_bench_prompts):
+    """Close one of three running generations from another thread while the step loop runs: its slot is
+    free within one step, and the other two still get their solo tokens."""
+    engine, batcher = batched, batched.batcher
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    prompts = mt_bench_prompts[20:23]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, params, mode="vanilla").token_ids for p in prompts[1:]]
+    finally:
+        engine.batcher = batcher
+    streams = [engine.stream(p, params, mode="vanilla") for p in prompts]
+    got: dict[int, tuple[int, ...]] = {}
+    seen = collections.Counter()
+
+    def consume(i: int) -> None:
+        with streams[i] as stream:
+            for chunk in stream:
+                seen[i] += len(chunk.token_ids)
+            if i:
+                got[i] = stream.result.token_ids
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while seen[0] < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert batcher.running == 3
+    steps_at_close = batcher.batched_steps + batcher.solo_steps
+    streams[0].close()
+    while streams[0].state != "closed" and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert streams[0].state == "closed"
+    assert batcher.batched_steps + batcher.solo_steps - steps_at_close <= 1
+    assert batcher.running <= 2
+    for t in threads:
+        t.join(120)
+    assert seen[0] < 40 and [got[1], got[2]] == solo
+    assert batcher.running == 0
+
+
+def test_hidden_states_run_on_the_step_loop_between_steps(batched, mt_bench_prompts):
+    """A probe's forward (``hidden_states``) while generations decode: the same tensor as with the engine
+    idle, and it runs on the loop's thread, not beside it."""
+    engine = batched
+    ids = engine.encode_prompt(mt_bench_prompts[30])[:80]
+    alone = engine.hidden_states(ids, [0, 12, 30])
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    stream = engine.stream(mt_bench_prompts[31], params, mode="vanilla")
+    with stream:
+        next(stream)
+        beside = engine.hidden_states(ids, [0, 12, 30])
+    assert torch.equal(alone, beside)
+
+
+def test_a_full_queue_refuses_new_generations(batched):
+    batcher = batched.batcher
+    kept = batcher.max_waiting
+    batcher.max_waiting = 0
+    try:
+        with pytest.raises(EngineBusyError, match="retry later"):
+            batched.stream("Hello", SamplingParams(max_tokens=2))
+    finally:
+        batcher.max_waiting = kept
+
+
+def test_only_the_compiled_cpu_step_batches(engine, batched):
+    """The float32 reference engine (eager SDPA steps) has no batched twin that equals its one-sequence
+    step, so it serves one generation at a time; ``max_batch`` sizes the compiled step's batch."""
+    assert engine.batcher is None and batched.batcher is not None
+    assert resolve_max_batch("auto", engine.runner) == 1 and resolve_max_batch("8", engine.runner) == 1
+    assert resolve_max_batch("auto", batched.runner) == 16 and resolve_max_batch("3", batched.runner) == 3
+    assert resolve_max_batch("1", batched.runner) == 1  # 1: no batcher, the gate as before
+    with pytest.raises(SettingsError, match="ELESIUM_MAX_BATCH"):
+        Settings(max_batch="0")
