@@ -8,6 +8,7 @@ Speculative-decoding counters follow vLLM's names (``vllm:spec_decode_num_drafts
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 # generation queued behind others).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0)
+
+
+def _read(values: dict[str, float], key: str) -> float:
+    return float(values[key])
 
 
 class Metrics:
@@ -101,20 +106,49 @@ class Metrics:
             registry=r, buckets=LATENCY_BUCKETS)
         self.running = Gauge(
             "elesium_num_requests_running",
-            "Generations holding the engine's FIFO gate (0 or 1; a hidden-state forward counts too)",
+            "Generations being decoded: holding a batch slot, or the gate of an engine that does not batch",
             registry=r)
         self.waiting = Gauge(
             "elesium_num_requests_waiting",
             "Generations waiting for the engine: queued at its FIFO gate behind the one that holds "
             "it, plus requests (chat completions, replays) queued for the API's engine thread",
             registry=r)
-        # Read at scrape time from the engine's gate (and the engine thread's queue): exact, and back to
-        # 0 by themselves. An engine without a gate (a test double) reads 0.
+        # Read at scrape time from the engine's gate or batcher (and the engine thread's queue): exact, and
+        # back to 0 by themselves. An engine without either (a test double) reads 0.
         if engine is not None:
-            self.running.set_function(lambda: 1.0 if getattr(engine, "busy", False) else 0.0)
+            self.running.set_function(lambda: float(getattr(engine, "running", 0)))
         self.waiting.set_function(lambda: float(
             (getattr(engine, "waiting", 0) if engine is not None else 0)
             + (queued_jobs() if queued_jobs is not None else 0)))
+        self._batching_metrics(engine)
+
+    def _batching_metrics(self, engine: Any) -> None:
+        """The batcher's own counters (``inference/batcher.py``), read at scrape time: how many forwards
+        ran batched or alone, how many rows the batched ones carried (rows / steps = mean batch size),
+        where the step loop's time went, and the hidden-state memo's hits."""
+        r = self.registry
+        steps = Gauge("elesium_engine_steps", "Forwards the step loop ran since start: batched (one row "
+                      "per generation) or solo (a prefill, a tree step, a generation alone)", ["kind"],
+                      registry=r)
+        rows = Gauge("elesium_engine_batched_rows", "Rows carried by the batched forwards since start",
+                     registry=r)
+        batch = Gauge("elesium_engine_batch_size", "Rows of the last batched forward", registry=r)
+        busy = Gauge("elesium_engine_loop_seconds", "Seconds the step loop spent on each kind of work since "
+                     "start (gather: waiting for running generations to ask for their next step)", ["kind"],
+                     registry=r)
+        memo = Gauge("elesium_hidden_states_memo", "hidden_states questions answered from the memo (hit) or "
+                     "by a forward (miss) since start", ["outcome"], registry=r)
+        batcher = getattr(engine, "batcher", None)
+        if batcher is not None:
+            steps.labels("batched").set_function(lambda: float(batcher.batched_steps))
+            steps.labels("solo").set_function(lambda: float(batcher.solo_steps))
+            rows.set_function(lambda: float(batcher.batched_rows))
+            batch.set_function(lambda: float(batcher.last_batch))
+            for kind in batcher.busy_s:
+                busy.labels(kind).set_function(functools.partial(_read, batcher.busy_s, kind))
+        if engine is not None and hasattr(engine, "hidden_memo_hits"):
+            memo.labels("hit").set_function(lambda: float(engine.hidden_memo_hits))
+            memo.labels("miss").set_function(lambda: float(engine.hidden_memo_misses))
 
     def observe_generation(self, timing: GenerationTiming) -> None:
         """An engine observer (``Engine.add_observer``): one ended generation's serving latencies.

@@ -105,6 +105,9 @@ class Batcher:
         self.solo_steps = 0
         self.last_batch = 0
         self.largest_batch = 0
+        # Seconds the loop spent on each kind of work since it was built (metrics: where serving time goes).
+        self.busy_s: dict[str, float] = {"jobs": 0.0, "prefill": 0.0, "solo_step": 0.0, "batched_step": 0.0,
+                                         "gather": 0.0}
 
     # -- what the engine and its streams call ------------------------------------------------------
     @property
@@ -222,23 +225,27 @@ class Batcher:
                         self._thread = None
                         return
                     self._cond.wait(left)
-                deadline = time.monotonic() + GATHER_S
+                gather_from = time.monotonic()
+                deadline = gather_from + GATHER_S
                 while not self._jobs and any(r not in self._wanted for r in self._slot):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
+                self.busy_s["gather"] += time.monotonic() - gather_from
                 jobs = list(self._jobs)
                 self._jobs.clear()
                 self._admit()
                 work = [r for r in self._wanted if r in self._slot]
                 self._taken.update(work)
+            started = time.perf_counter()
             for job in jobs:
                 try:
                     job.value = job.fn()
                 except BaseException as exc:  # handed to the caller, which raises it
                     job.error = exc
                 job.done = True
+            self.busy_s["jobs"] += time.perf_counter() - started
             try:
                 self._execute(work)
             except BaseException as exc:  # a bug here must fail these generations, not hang them
@@ -280,7 +287,9 @@ class Batcher:
             if rows and run in rows:
                 continue
             slot = self._slot[run]
+            kind = "prefill" if run.state == "new" else "solo_step"
             offset = run._decoder.offset if run._decoder is not None else len(run.prompt_ids)
+            started = time.perf_counter()
             pool.reserve(slot, window_for(offset + RESERVE_AHEAD, pool.max_len))
             runner.cache = pool.cache(slot)
             try:
@@ -290,6 +299,7 @@ class Batcher:
             finally:
                 runner.cache = engine.cache
             self.solo_steps += 1
+            self.busy_s[kind] += time.perf_counter() - started
         if not rows:
             return
         assert self._step is not None
@@ -309,6 +319,7 @@ class Batcher:
                     run._take_row(logits[b], int(greedy[b]), start)
                 except BaseException as exc:
                     run._error = exc
+        self.busy_s["batched_step"] += time.perf_counter() - start
 
 
 def _batchable(run: _Run) -> bool:

@@ -23,6 +23,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -99,6 +100,8 @@ class Decoder(Protocol):
         ...
 
 
+HIDDEN_MEMO_BYTES = 64 << 20
+"""Most bytes of residual streams ``Engine.hidden_states`` keeps for repeated questions (~300 prompts)."""
 DEFAULT_CPU_BATCH = 16
 """Generations per step on the compiled CPU step: past about 16 rows a step's cost grows in proportion
 to its rows on 2 cores, so a larger batch only adds latency (docs/design/batched-serving.md §6.1)."""
@@ -175,6 +178,14 @@ class Engine:
         # lock: notifying iterates a snapshot without locking, and several apps may share this engine.
         self._observers: tuple[TimingObserver, ...] = ()
         self._observers_lock = threading.Lock()
+        # hidden_states of recent (ids, layers), least recently used first: a workflow asks for the same
+        # prompt's states twice (ticket-triage's category and priority probes read one prompt, its two span
+        # extractors another), and the answer is the same tensor, so the second ask costs nothing.
+        self._hidden_memo: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = OrderedDict()
+        self._hidden_memo_bytes = 0
+        self._memo_lock = threading.Lock()
+        self.hidden_memo_hits = 0
+        self.hidden_memo_misses = 0
 
     @property
     def heads(self) -> DraftHeads | None:
@@ -468,14 +479,19 @@ class Engine:
         Why: a closed-set question (a ticket's category) is answered more reliably by a linear probe
         on the model's own representation of the input than by asking a 135M model to write the
         answer (``graphs/classifier.py``). The forward runs on a KV cache of its own, so no
-        generation's cache is touched, and under the engine's gate like a generation. It is the
-        engine's plain forward (its configured weights, no compiled step): deterministic for a
-        given engine configuration, which is what replay needs.
+        generation's cache is touched, and on the batcher's step loop between steps (or under the
+        engine's gate) like a generation. It is the engine's plain forward (its configured weights,
+        no compiled step), cut after the deepest block asked for: deterministic for a given engine
+        configuration, which is what replay needs, and so kept for a repeated question (a memo of
+        ``HIDDEN_MEMO_BYTES``).
         """
         n_layers = self.model.config.num_layers
         if not layers or any(not 0 <= i <= n_layers for i in layers):
             raise ValueError(f"layers must be in 0..{n_layers}, got {list(layers)}")
         ids = self.encode_prompt(list(prompt_ids))
+        hit = self._memo_get((tuple(ids), tuple(layers)))
+        if hit is not None:
+            return hit
         if self.batcher is not None:  # on the step loop, between steps: one thread drives the model
             return self.batcher.call(lambda: self._hidden_states(ids, layers))
         token = object()
@@ -485,14 +501,36 @@ class Engine:
         finally:
             self._gate.release(token)
 
+    def _memo_get(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor | None:
+        with self._memo_lock:
+            hit = self._hidden_memo.get(key)
+            if hit is None:
+                return None
+            self._hidden_memo.move_to_end(key)
+            self.hidden_memo_hits += 1
+            return hit.clone()  # a copy: the caller may change what it gets
+
     def _hidden_states(self, ids: list[int], layers: Sequence[int]) -> torch.Tensor:
+        key = (tuple(ids), tuple(layers))
+        hit = self._memo_get(key)  # asked again while this one waited for the loop
+        if hit is not None:
+            return hit
         with torch.inference_mode():
             cache = self.model.new_cache(len(ids))
             tokens = torch.tensor([ids], device=self.model.device)
             positions = torch.arange(len(ids), device=self.model.device)
             collected: list[torch.Tensor] = []
-            self.model(tokens, positions, cache, 0, collect=collected)
-            return torch.stack([collected[i][0].float().cpu() for i in layers])
+            # Only the blocks the deepest asked-for layer needs: the later ones cannot change it.
+            self.model(tokens, positions, cache, 0, collect=collected, blocks=max(layers))
+            states = torch.stack([collected[i][0].float().cpu() for i in layers])
+        with self._memo_lock:
+            self.hidden_memo_misses += 1
+            self._hidden_memo[key] = states.clone()
+            self._hidden_memo_bytes += states.numel() * states.element_size()
+            while self._hidden_memo_bytes > HIDDEN_MEMO_BYTES and self._hidden_memo:
+                _, old = self._hidden_memo.popitem(last=False)
+                self._hidden_memo_bytes -= old.numel() * old.element_size()
+        return states
 
     def add_observer(self, observer: TimingObserver) -> None:
         """Call ``observer(timing)`` when each generation ends (finished, closed or failed), on the

@@ -250,3 +250,22 @@ def test_only_the_compiled_cpu_step_batches(engine, batched):
     assert resolve_max_batch("1", batched.runner) == 1  # 1: no batcher, the gate as before
     with pytest.raises(SettingsError, match="ELESIUM_MAX_BATCH"):
         Settings(max_batch="0")
+
+
+def test_hidden_states_cut_at_the_deepest_layer_and_remembered(engine, mt_bench_prompts):
+    """Cutting the forward after the deepest block asked for changes no bit of the states asked for, and
+    a repeated question is answered from the memo with an equal tensor the caller may change freely."""
+    ids = engine.encode_prompt(mt_bench_prompts[40])[:60]
+    with torch.inference_mode():
+        cache = engine.model.new_cache(len(ids))
+        collected: list[torch.Tensor] = []
+        engine.model(torch.tensor([ids]), torch.arange(len(ids)), cache, 0, collect=collected)
+        full = torch.stack([collected[i][0].float() for i in (3, 12)])
+    misses, hits = engine.hidden_memo_misses, engine.hidden_memo_hits
+    first = engine.hidden_states(ids, [3, 12])
+    assert torch.equal(first, full)
+    again = engine.hidden_states(ids, [3, 12])
+    assert torch.equal(again, full)
+    again.zero_()
+    assert torch.equal(engine.hidden_states(ids, [3, 12]), full)
+    assert (engine.hidden_memo_misses, engine.hidden_memo_hits) == (misses + 1, hits + 2)

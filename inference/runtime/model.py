@@ -243,7 +243,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, offset: Offset,
                 ancestors: torch.Tensor | None = None, kv_valid: torch.Tensor | None = None,
-                collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+                collect: list[torch.Tensor] | None = None, blocks: int | None = None) -> torch.Tensor:
         """Run N new tokens through the model; return final-norm hidden states ``[B, N, hidden]``.
 
         Args:
@@ -259,6 +259,9 @@ class Transformer(nn.Module):
                 different lengths; ``None`` when every slot is real.
             collect: a list that receives every block's output (the residual stream, ``[B, N, hidden]``
                 each, embeddings first): what probes on hidden states read (``Engine.hidden_states``).
+            blocks: run only the first ``blocks`` blocks (the return value is then the norm of a
+                partial residual stream): a probe that reads block 12 need not pay for blocks 13-30,
+                which cannot change it.
         """
         n = tokens.shape[1]
         if isinstance(offset, int) and offset + n > cache.max_len:
@@ -276,6 +279,8 @@ class Transformer(nn.Module):
         if collect is not None:
             collect.append(x)
         for i, layer in enumerate(self.layers):
+            if blocks is not None and i >= blocks:
+                break
             x = layer(x, cos, sin, cache.k[i], cache.v[i], offset, ancestors, kv_valid)
             if collect is not None:
                 collect.append(x)
