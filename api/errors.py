@@ -67,10 +67,11 @@ class InvalidRequest(ApiError):
 
 
 async def _detail(request: Request, exc: Exception) -> JSONResponse:
-    """``ApiError`` -> its status; a refused replay -> 409; the state layer's errors -> 503 (Redis
-    unreachable) or 409, and any other ``UserError`` -> 400, each with its message's first line (the
-    rest says what an operator should change, which a client cannot)."""
+    """``ApiError`` -> its status; a refused replay -> 409; a full engine queue -> 429; the state layer's
+    errors -> 503 (Redis unreachable) or 409, and any other ``UserError`` -> 400, each with its message's
+    first line (the rest says what an operator should change, which a client cannot)."""
     from elesium.graphs.replay import ReplayRefused
+    from elesium.inference.batcher import EngineBusyError
     from elesium.state.errors import RedisUnavailableError, StateError
 
     if isinstance(exc, ApiError):
@@ -78,6 +79,8 @@ async def _detail(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, ReplayRefused):
         return JSONResponse({"detail": str(exc)}, status_code=409)
     line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, EngineBusyError):  # the engine's wait queue is full: come back shortly
+        return JSONResponse({"detail": line}, status_code=429, headers={"Retry-After": "1"})
     if isinstance(exc, RedisUnavailableError):
         return JSONResponse({"detail": line}, status_code=503)
     if isinstance(exc, StateError):

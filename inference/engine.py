@@ -438,7 +438,8 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile what serving needs before the first request (seconds taken): the one-sequence step,
-        by a two-token generation, and the batched step where there is a batcher.
+        by a two-token generation, the tree step where the default mode speculates, and the batched step
+        where there is a batcher.
 
         Why: each graph costs ~10 s to trace even with inductor's cache warm (minutes cold), and a
         graph compiled by a request makes every request running beside it wait. Servers call this at
@@ -446,6 +447,8 @@ class Engine:
         """
         started = time.perf_counter()
         self.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0), mode="vanilla")
+        if self.default_mode != "vanilla":  # the tree graph too, where requests speculate by default
+            self.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0))
         if self.batcher is not None:
             self.batcher.warm_up()
         return time.perf_counter() - started

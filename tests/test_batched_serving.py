@@ -269,3 +269,73 @@ def test_hidden_states_cut_at_the_deepest_layer_and_remembered(engine, mt_bench_
     again.zero_()
     assert torch.equal(engine.hidden_states(ids, [3, 12]), full)
     assert (engine.hidden_memo_misses, engine.hidden_memo_hits) == (misses + 1, hits + 2)
+
+
+def test_batched_rows_sample_the_base_models_distribution():
+    """χ² of the batched sampler: rows of one batched forward, each finished by its own decoder with its
+    own seed (``VanillaDecoder.take``, what the step loop calls), sample exactly the target distribution
+    (temperature 0.8, top-p 0.9) of the logits the sequence has alone."""
+    from elesium.inference.decoding.vanilla import VanillaDecoder
+    from elesium.inference.sampling import Sampler, target_probs
+    from spec_harness import chi_square_p
+
+    model = rowwise_tiny_model(3)
+    pool = SlotPool(model.config, 8, 256, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    context_k = torch.randn(pool.k[0].shape, generator=gen)
+    context_v = torch.randn(pool.v[0].shape, generator=gen)
+    for s in range(8):
+        pool.reserve(s, 256)
+        pool.k[s].copy_(context_k)
+        pool.v[s].copy_(context_v)
+    step = BatchedCpuStep(model, pool, compiled=False)
+    params = SamplingParams(max_tokens=1000, temperature=0.8, top_p=0.9)
+    decoders = [VanillaDecoder(None, params, Sampler(100 + s)) for s in range(8)]  # type: ignore[arg-type]
+    counts: dict[int, int] = {}
+    alone = None
+    with torch.inference_mode():
+        for _ in range(300):
+            logits, greedy = step.decode([7] * 8, [30] * 8, list(range(8)))  # the same context every time
+            for b, decoder in enumerate(decoders):
+                token = decoder.take(logits[b], int(greedy[b]), 0.0)[0][0]
+                counts[token] = counts.get(token, 0) + 1
+        cache = pool.cache(0)
+        alone = step_forward(model, torch.tensor([[7]]), torch.tensor([30]), torch.tensor(30),
+                             cache.k[:, :, :, :256], cache.v[:, :, :, :256], model.causal(1))[1][0, 0]
+    probs = target_probs(alone, params)
+    expected = {t: float(p) for t, p in enumerate(probs.tolist()) if p > 0}
+    assert chi_square_p(counts, expected, 2400) > 1e-3
+
+
+def test_after_warm_up_no_request_compiles(batched, mt_bench_prompts):
+    """What ``elesium serve`` promises by warming up at start: a burst of concurrent requests, with
+    contexts on both sides of a window boundary (256 positions), compiles nothing, so no request waits
+    on a compilation another one started."""
+    from torch._dynamo.utils import counters
+
+    engine = batched
+    long_prompt = " ".join(mt_bench_prompts[50:56])  # past 256 tokens: a wider attention window
+    prompts = [long_prompt, *mt_bench_prompts[60:65]]
+    graphs_before = counters["stats"]["unique_graphs"]
+    results: list[int] = []
+
+    def run(prompt: str) -> None:
+        results.append(len(engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0)).token_ids))
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == len(prompts) and len(engine.encode_prompt(long_prompt)) > 256
+    assert counters["stats"]["unique_graphs"] == graphs_before
+
+
+def test_a_full_engine_queue_is_a_429_with_retry_after():
+    import asyncio
+
+    from elesium.api.errors import _detail
+
+    response = asyncio.run(_detail(None, EngineBusyError("the engine is busy: retry later")))  # type: ignore[arg-type]
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert b"retry later" in response.body
