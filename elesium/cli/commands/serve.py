@@ -6,8 +6,9 @@ everyone silently.
 
 Runs go through the durable run queue in Redis. By default this process also executes them, as
 many at once as the engine decodes in one step (``--workers N`` to choose); ``--workers 0`` makes
-it a pure API server, with ``elesium worker`` processes on any machine doing the work. On SIGTERM uvicorn stops taking requests and in-flight runs get
-``--grace`` seconds before they are handed back to the queue.
+it a pure API server, with ``elesium worker`` processes on any machine doing the work. On SIGTERM
+uvicorn stops taking requests and in-flight runs get ``--grace`` seconds before they are handed back
+to the queue.
 """
 
 from __future__ import annotations
