@@ -217,59 +217,77 @@ class Batcher:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                idle_since = time.monotonic()
-                while not self._wanted and not self._jobs:
-                    left = IDLE_EXIT_S - (time.monotonic() - idle_since)
-                    if left <= 0:
-                        self._thread = None
-                        return
-                    self._cond.wait(left)
-                gather_from = time.monotonic()
-                deadline = gather_from + GATHER_S
-                while not self._jobs and any(r not in self._wanted for r in self._slot):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-                self.busy_s["gather"] += time.monotonic() - gather_from
-                jobs = list(self._jobs)
-                self._jobs.clear()
-                self._admit()
-                work = [r for r in self._wanted if r in self._slot]
-                self._taken.update(work)
-            started = time.perf_counter()
-            for job in jobs:
-                try:
-                    job.value = job.fn()
-                except BaseException as exc:  # handed to the caller, which raises it
-                    job.error = exc
-                job.done = True
-            self.busy_s["jobs"] += time.perf_counter() - started
+            jobs: list[_Job] = []
+            work: list[_Run] = []
             try:
+                taken = self._next(jobs, work)
+                if not taken:
+                    return
+                started = time.perf_counter()
+                for job in jobs:
+                    try:
+                        job.value = job.fn()
+                    except BaseException as exc:  # handed to the caller, which raises it
+                        job.error = exc
+                self.busy_s["jobs"] += time.perf_counter() - started
                 self._execute(work)
-            except BaseException as exc:  # a bug here must fail these generations, not hang them
-                log.exception("the engine's step loop failed")
+            except BaseException as exc:  # a bug here must fail these generations, not hang everyone
+                log.exception("the engine's step loop failed an iteration")
+                for job in jobs:
+                    job.error = job.error or exc
                 for run in work:
                     run._error = run._error or exc
-            with self._cond:
-                for run in work:
-                    self._wanted.pop(run, None)
-                    self._taken.discard(run)
-                    self._done.add(run)
-                self._cond.notify_all()
+            finally:
+                with self._cond:
+                    for job in jobs:
+                        job.done = True
+                    for run in work:
+                        self._wanted.pop(run, None)
+                        self._taken.discard(run)
+                        self._done.add(run)
+                    self._cond.notify_all()
+
+    def _next(self, jobs: list[_Job], work: list[_Run]) -> bool:
+        """Wait for work, gather the running generations' asks, admit new ones; fill ``jobs`` and ``work``.
+
+        Returns False when the loop should end (idle for ``IDLE_EXIT_S``). Every walk over the shared
+        collections goes over a copy: a stream's finaliser may release a run on this very thread (the
+        lock is re-entrant) while one of them is being walked.
+        """
+        with self._cond:
+            idle_since = time.monotonic()
+            while not self._wanted and not self._jobs:
+                left = IDLE_EXIT_S - (time.monotonic() - idle_since)
+                if left <= 0:
+                    self._thread = None
+                    return False
+                self._cond.wait(left)
+            gather_from = time.monotonic()
+            deadline = gather_from + GATHER_S
+            while not self._jobs and any(r not in self._wanted for r in list(self._slot)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self.busy_s["gather"] += time.monotonic() - gather_from
+            jobs.extend(self._jobs)
+            self._jobs.clear()
+            self._admit()
+            work.extend(r for r in list(self._wanted) if r in self._slot)
+            self._taken.update(work)
+            return True
 
     def _admit(self) -> None:
         """Give free slots to new generations, first come first served (called under the lock)."""
         # Heads with a drafting cache of their own keep one sequence's drafting state in the runner:
         # one speculative generation at a time then (vanilla ones never touch it).
         one_tree = self.engine.runner.drafter_cache is not None
-        for run in self._wanted:
+        for run in list(self._wanted):
             if run in self._slot or run._cancel:
                 continue
             if not self._free:
                 return
-            if one_tree and run.mode != "vanilla" and any(r.mode != "vanilla" for r in self._slot):
+            if one_tree and run.mode != "vanilla" and any(r.mode != "vanilla" for r in list(self._slot)):
                 return
             self._slot[run] = self._free.pop()
 
