@@ -8,9 +8,11 @@ This is the clean Python API the workflow layer calls::
         print(chunk.text, end="")
     stream.result.steps                            # typed per-step acceptance records
 
-One generation runs at a time per engine (the cache is shared): a stream owns the engine from its
-first chunk until it finishes, is closed, is left by its ``for`` loop, or is garbage-collected; other
-generations queue in arrival order (see :mod:`elesium.inference.generation_stream`).
+On the compiled CPU step many generations run at once: each holds a slot of one KV pool from its
+first chunk until it finishes, is closed, is left by its ``for`` loop, or is garbage-collected, and
+the engine's step loop decodes them together (:mod:`elesium.inference.batcher`); past
+``ELESIUM_MAX_BATCH`` they wait in arrival order. Elsewhere (CUDA, the eager CPU path) one generation
+owns the engine at a time in the same way (see :mod:`elesium.inference.generation_stream`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""One generation as a stream of chunks, and how it owns the engine while it runs.
+"""One generation as a stream of chunks, and how it holds its part of the engine while it runs.
 
-The engine's KV cache holds one generation's context, so a second generation must not run until the
-first is finished or abandoned. Yet the caller's code runs between chunks, and a stream may be
-dropped half-way (a client disconnects, a ``for`` loop breaks). So:
+A generation's context lives in a KV cache: a slot of the batcher's pool (``inference/batcher.py``,
+many generations at once) or, on an engine that does not batch, the engine's one cache, which a second
+generation must not touch until the first is finished or abandoned. Yet the caller's code runs between
+chunks, and a stream may be dropped half-way (a client disconnects, a ``for`` loop breaks). So:
 
-* the generation owns the engine through a token in the engine's :class:`FifoGate`, not through a
-  thread lock: it takes the gate on its first chunk and gives it back when it finishes, fails, is
+* the generation holds its slot (or the engine's :class:`FifoGate`) through its state object, not
+  through a thread lock: it takes it on its first chunk and gives it back when it finishes, fails, is
   closed (``close()``, ``with``), when the ``for`` loop that iterated it is left early, or when the
-  stream is garbage-collected. Waiting generations proceed in arrival order;
+  stream is garbage-collected. Waiting generations proceed in arrival order. With a batcher each chunk
+  is the step loop's work (possibly one row of a shared forward), handed to the consumer's thread;
 * ``torch.inference_mode()`` is entered around each decoder call only, never across a ``yield``, so
   the caller's code (and ``on_step``) never runs in inference mode;
 * ``close()`` from another thread while the owner is inside a decoding step marks the run cancelled;
