@@ -125,7 +125,8 @@ class Metrics:
     def _batching_metrics(self, engine: Any) -> None:
         """The batcher's own counters (``inference/batcher.py``), read at scrape time: how many forwards
         ran batched or alone, how many rows the batched ones carried (rows / steps = mean batch size),
-        where the step loop's time went, and the hidden-state memo's hits."""
+        where the step loop's time went, the hidden-state memo's hits and the prefix cache's (in tokens, as
+        vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``)."""
         r = self.registry
         steps = Gauge("elesium_engine_steps", "Forwards the step loop ran since start: batched (one row "
                       "per generation) or solo (a prefill, a tree step, a generation alone)", ["kind"],
@@ -138,6 +139,14 @@ class Metrics:
                      registry=r)
         memo = Gauge("elesium_hidden_states_memo", "hidden_states questions answered from the memo (hit) or "
                      "by a forward (miss) since start", ["outcome"], registry=r)
+        queries = Gauge("elesium_prefix_cache_queries", "Prompt tokens looked up in the prefix cache since "
+                        "start", registry=r)
+        hits = Gauge("elesium_prefix_cache_hits", "Prompt tokens served from the prefix cache since start "
+                     "(hits / queries is the hit rate)", registry=r)
+        prefix = getattr(engine, "prefix_cache", None)
+        if prefix is not None:
+            queries.set_function(lambda: float(prefix.queries))
+            hits.set_function(lambda: float(prefix.hits))
         batcher = getattr(engine, "batcher", None)
         if batcher is not None:
             steps.labels("batched").set_function(lambda: float(batcher.batched_steps))

@@ -42,6 +42,7 @@ ENV_VARS: dict[str, str] = {
     "cpu_weights": "ELESIUM_CPU_WEIGHTS",
     "cpu_compile": "ELESIUM_CPU_COMPILE",
     "max_batch": "ELESIUM_MAX_BATCH",
+    "prefix_cache_mb": "ELESIUM_PREFIX_CACHE_MB",
     "audit_key": "ELESIUM_AUDIT_KEY",
     "audit_signing_key_file": "ELESIUM_AUDIT_SIGNING_KEY_FILE",
     "audit_chain": "ELESIUM_AUDIT_CHAIN",
@@ -84,7 +85,9 @@ class Settings:
     CPU weight formats, off for the float32 reference) runs CPU decode steps through one
     ``torch.compile``d graph (``inference/runtime/cpu_step.py``). ``max_batch`` ("auto" or a count
     from 1) is how many generations share each decoding step (``inference/batcher.py``); "auto" is
-    16 on the compiled CPU step and 1 (one at a time) elsewhere.
+    16 on the compiled CPU step and 1 (one at a time) elsewhere. ``prefix_cache_mb`` (a count of
+    MiB, 0 = off) bounds the keys and values of prompt prefixes kept for later prompts that start the
+    same way (``inference/runtime/prefix_cache.py``).
     """
 
     model: str | None = None
@@ -100,6 +103,7 @@ class Settings:
     cpu_weights: str = "auto"
     cpu_compile: str = "auto"
     max_batch: str = "auto"
+    prefix_cache_mb: str = "256"
     audit_key: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     audit_signing_key_file: Path | None = None
     audit_chain: str = "on"
@@ -116,6 +120,9 @@ class Settings:
         if self.max_batch != "auto" and not (self.max_batch.isdigit() and 1 <= int(self.max_batch) <= 256):
             raise SettingsError(f"{ENV_VARS['max_batch']} / {cli_flag('max_batch')} must be auto or a count "
                                 f"from 1 to 256, not {self.max_batch!r}")
+        if not (self.prefix_cache_mb.isdigit() and int(self.prefix_cache_mb) <= 1 << 20):
+            raise SettingsError(f"{ENV_VARS['prefix_cache_mb']} / {cli_flag('prefix_cache_mb')} must be a "
+                                f"count of MiB from 0 (off), not {self.prefix_cache_mb!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -52,10 +52,11 @@ from elesium.inference.runtime.cpu_weights import (
     resolve_cpu_compile,
     resolve_cpu_weights,
 )
-from elesium.inference.runtime.forward import TREE_BUCKETS, CudaGraphRunner, ForwardRunner
+from elesium.inference.runtime.forward import PREFILL_CHUNK, TREE_BUCKETS, CudaGraphRunner, ForwardRunner
 from elesium.inference.runtime.invariant import apply_invariant_numerics, is_invariant
 from elesium.inference.runtime.invariant import resolve as resolve_invariant
 from elesium.inference.runtime.model import Transformer, build_model
+from elesium.inference.runtime.prefix_cache import PrefixCache
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.tuning.profile import (
     TuneProfile,
@@ -104,6 +105,9 @@ class Decoder(Protocol):
 
 HIDDEN_MEMO_BYTES = 64 << 20
 """Most bytes of residual streams ``Engine.hidden_states`` keeps for repeated questions (~300 prompts)."""
+DEFAULT_PREFIX_CACHE_MB = 256
+"""Prompt-prefix keys and values kept for reuse (``runtime/prefix_cache.py``): ~5,600 tokens of the
+bundled model in float32, enough for a few dozen shared system prompts and live conversations."""
 DEFAULT_CPU_BATCH = 16
 """Generations per step on the compiled CPU step: past about 16 rows a step's cost grows in proportion
 to its rows on 2 cores, so a larger batch only adds latency (docs/design/batched-serving.md §6.1)."""
@@ -152,7 +156,8 @@ class Engine:
                  heads: DraftHeads | None = None, policy: TreePolicy | None = None,
                  max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True,
                  profile: TuneProfile | None = None, heads_dir: str = "", heads_reason: str = "",
-                 profile_reason: str = "", cpu_compile: bool = False, max_batch: int | str = "auto") -> None:
+                 profile_reason: str = "", cpu_compile: bool = False, max_batch: int | str = "auto",
+                 prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB) -> None:
         self.model = model
         self.speculate = speculate
         # What Engine.load chose and why (describe(), fingerprint(), the load log line).
@@ -172,6 +177,12 @@ class Engine:
             self.runner = CompiledCpuRunner(model, self.cache, heads)
         else:
             self.runner = ForwardRunner(model, self.cache, heads)
+        # Prompt prefixes shared across generations (runtime/prefix_cache.py), where the prefill's blocks
+        # make reuse exact: the eager prefill. The CUDA graph prefill is not wired to it yet.
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_mb > 0 and not isinstance(self.runner, CudaGraphRunner):
+            self.prefix_cache = PrefixCache(prefix_cache_mb << 20, PREFILL_CHUNK)
+            self.runner.prefix_cache = self.prefix_cache
         self._gate = FifoGate()  # owned by one generation at a time, FIFO (generation_stream.py)
         # Many generations per step (batcher.py) where the step can batch: the compiled CPU step.
         slots = resolve_max_batch(max_batch, self.runner)
@@ -267,7 +278,7 @@ class Engine:
         engine = cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
                      cuda_graphs=cuda_graphs, speculate=speculate, profile=profile, heads_dir=heads_dir,
                      heads_reason=heads_reason, profile_reason=profile_reason, cpu_compile=cpu_compile,
-                     max_batch=settings.max_batch)
+                     max_batch=settings.max_batch, prefix_cache_mb=int(settings.prefix_cache_mb))
         d = engine.describe()
         log.info("engine: model %s on %s/%s; heads %s (%s); profile %s (%s); default mode %s (%s); "
                  "tree attention %s", weights.source.name, d["device"], d["dtype"], d["heads_dir"] or "none",

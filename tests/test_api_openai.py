@@ -147,6 +147,8 @@ def test_metrics(api_server):
         "elesium_spec_decode_num_accepted_tokens_total",
         "elesium_checkpoint_write_seconds",
         "elesium_engine_queue_depth",
+        "elesium_prefix_cache_queries",
+        "elesium_prefix_cache_hits",
     ):
         assert name in text, name
     assert 'route="/v1/chat/completions"' in text

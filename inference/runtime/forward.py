@@ -17,10 +17,14 @@ import torch
 from elesium.inference.runtime.decode_chain import STATE, DecodeChain, chain_body
 from elesium.inference.runtime.drafting import DRAFT_TOPK, Drafted, DrafterCache, StepDrafter
 from elesium.inference.runtime.model import KVCache, Transformer
+from elesium.inference.runtime.prefix_cache import PrefixCache
 from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.inference.sampling import SamplingParams
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 64
+"""Eager prefill block (tokens): blocks are counted from position 0, so a block's keys depend only on
+the tokens up to its end and a prefix cache (``prefix_cache.py``) can serve them exactly. 64 costs
+~6 % over one 512-token forward on the 2-core CPU (1.72 against 1.62 ms a token); 32 cost 19 %."""
 T = TypeVar("T")
 DRAFT_TOPK_CHUNK = 1024  # the slice width of the chains' drafting top-k on CUDA (CudaGraphRunner)
 MAX_CHAIN_GRAPHS = 8  # sampling settings that get their own self-feeding graph per runner
@@ -59,6 +63,9 @@ class ForwardRunner:
         # here because they bake in this runner's cache and heads: dropped with the heads.
         self.chain_graphs: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
         self.tree_chains_started = 0  # generations whose tree steps ran on a chain (tests, benchmarks)
+        # Prompt prefixes already prefilled (``prefix_cache.py``); the engine attaches one where the
+        # prefill's blocks are exact to reuse (the eager CPU prefill).
+        self.prefix_cache: PrefixCache | None = None
         ForwardRunner.set_heads(self, heads)
 
     @property
@@ -109,15 +116,31 @@ class ForwardRunner:
     def prefill(self, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
         """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
 
-        Long prompts go in chunks so the attention mask stays ``[chunk, prefix + chunk]``.
+        The prompt goes in blocks of ``PREFILL_CHUNK`` counted from its first token, so the attention
+        mask stays ``[chunk, prefix + chunk]`` and a whole prompt prefilled from slot 0 can take its
+        first blocks from the prefix cache: the same bits the forward would compute again.
         """
+        chunk = PREFILL_CHUNK
+        cache = self.prefix_cache if start == 0 and self.prefix_cache is not None else None
+        if cache is not None and cache.block != chunk:
+            cache = None
         outs = []
-        for lo in range(0, len(prompt_ids), PREFILL_CHUNK):
-            chunk = prompt_ids[lo:lo + PREFILL_CHUNK]
-            tokens = torch.tensor([chunk], device=self.device)
-            positions = torch.arange(start + lo, start + lo + len(chunk), device=self.device)
+        done = 0
+        if cache is not None:
+            for block in cache.match(prompt_ids):
+                self.cache.k[:, 0, :, done:done + chunk] = block.k
+                self.cache.v[:, 0, :, done:done + chunk] = block.v
+                outs.append(block.hidden)
+                done += chunk
+        for lo in range(done, len(prompt_ids), chunk):
+            part = prompt_ids[lo:lo + chunk]
+            tokens = torch.tensor([part], device=self.device)
+            positions = torch.arange(start + lo, start + lo + len(part), device=self.device)
             outs.append(self.model(tokens, positions, self.cache, start + lo)[0])
-        return torch.cat(outs)
+        hidden = torch.cat(outs)
+        if cache is not None:
+            cache.store(prompt_ids, self.cache, hidden, done // chunk)
+        return hidden
 
     def step_outputs(self, tokens: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor | None,
                      offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:

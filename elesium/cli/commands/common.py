@@ -73,6 +73,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-batch", default=None, metavar="N",
                        help="generations that share each decoding step (default: "
                        f"{_env('max_batch')}, else auto: 16 on the compiled CPU step, 1 elsewhere)")
+    group.add_argument("--prefix-cache-mb", default=None, metavar="MIB",
+                       help="memory for prompt prefixes reused by later prompts that start the same way, "
+                       f"0 = off (default: {_env('prefix_cache_mb')}, else 256)")
 
 
 def add_state_args(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:
