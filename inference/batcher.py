@@ -9,6 +9,11 @@ from its prefill to its end, and one thread, the step loop, owns the model:
    running generation has asked or ``GATHER_S`` passes, so that a slow consumer delays the others by
    at most that;
 2. new generations are admitted in arrival order while slots are free, and prefilled one by one;
+   while others are decoding, a long prompt's prefill is spread over iterations, at most
+   ``PREFILL_BLOCKS`` blocks of prompt per iteration between their steps, so a newcomer delays each
+   running generation's next token by a bounded amount (two 64-token blocks, ~0.2 s on 2 cores),
+   not by its whole prompt; the blocks are the prefill's own (``ForwardRunner.prefill_blocks``),
+   so the bits are the same however the prompt was spread;
 3. every running vanilla generation contributes one row to **one** batched forward
    (``runtime/batched_step.py``); a generation alone, a tree step (speculative decoding), and a
    device chain run their own forward on their own slot, through the same graphs the one-at-a-time
@@ -23,10 +28,10 @@ layout, and sampling is per generation, so a generation's tokens do not depend o
 Work that needs the model but is not a generation (``Engine.hidden_states``) runs on the loop too,
 between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 
-Not here yet (``docs/design/batched-serving.md``): chunked prefill mixed with decode rows (a long
-prompt's prefill stalls the other generations while it runs), prefix sharing between slots,
-speculative trees inside the batch, per-tenant fairness and deadlines, and CUDA (the CUDA engine keeps
-its captured one-sequence graphs and serves one generation at a time).
+Not here yet (``docs/design/batched-serving.md``): prefill blocks as rows of the batched forward
+(they run as their own forward between steps), speculative trees inside the batch, per-tenant
+fairness and deadlines, and CUDA (the CUDA engine keeps its captured one-sequence graphs and serves
+one generation at a time).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from elesium.errors import UserError
 from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.runtime.batched_step import BatchedCpuStep
 from elesium.inference.runtime.cpu_step import window_for
+from elesium.inference.runtime.forward import PREFILL_CHUNK, PartialPrefill
 from elesium.inference.runtime.slot_pool import SlotPool
 
 if TYPE_CHECKING:
@@ -58,6 +64,10 @@ GATHER_S = 0.004
 IDLE_EXIT_S = 30.0
 """The loop's thread ends after this long without work (it starts again on the next request), so an
 engine that is dropped is not kept alive by its thread."""
+PREFILL_BLOCKS = 2
+"""Prompt blocks (``PREFILL_CHUNK`` tokens each) the loop prefills per iteration while generations are
+decoding: their next token waits for these, so this bounds what a newcomer costs them. When nothing
+is decoding, a prompt is prefilled whole at once."""
 RESERVE_AHEAD = 512
 """Positions past a generation's offset zeroed before its solo work (``SlotPool.reserve``): more than
 any prefill chunk's or tree's reach within one step."""
@@ -97,6 +107,7 @@ class Batcher:
         self._wanted: dict[_Run, None] = {}  # generations whose consumer waits for their next step, in order
         self._taken: set[_Run] = set()  # asks the loop is working on now
         self._done: set[_Run] = set()
+        self._partial: dict[_Run, PartialPrefill] = {}  # prompts prefilled part of the way
         self._jobs: deque[_Job] = deque()
         self._thread: threading.Thread | None = None
         # Counters for metrics and tests: forwards run, and rows of the batched ones.
@@ -105,6 +116,7 @@ class Batcher:
         self.solo_steps = 0
         self.last_batch = 0
         self.largest_batch = 0
+        self.split_prefills = 0  # prompts whose prefill was spread over more than one iteration
         # Seconds the loop spent on each kind of work since it was built (metrics: where serving time goes).
         self.busy_s: dict[str, float] = {"jobs": 0.0, "prefill": 0.0, "solo_step": 0.0, "batched_step": 0.0,
                                          "gather": 0.0}
@@ -189,6 +201,7 @@ class Batcher:
                 self._free.append(slot)
             self._wanted.pop(run, None)
             self._done.discard(run)
+            self._partial.pop(run, None)
             self._cond.notify_all()
 
     def wake(self) -> None:
@@ -219,6 +232,7 @@ class Batcher:
         while True:
             jobs: list[_Job] = []
             work: list[_Run] = []
+            deferred: set[_Run] = set()
             try:
                 taken = self._next(jobs, work)
                 if not taken:
@@ -230,7 +244,7 @@ class Batcher:
                     except BaseException as exc:  # handed to the caller, which raises it
                         job.error = exc
                 self.busy_s["jobs"] += time.perf_counter() - started
-                self._execute(work)
+                deferred = self._execute(work)
             except BaseException as exc:  # a bug here must fail these generations, not hang everyone
                 log.exception("the engine's step loop failed an iteration")
                 for job in jobs:
@@ -242,8 +256,10 @@ class Batcher:
                     for job in jobs:
                         job.done = True
                     for run in work:
-                        self._wanted.pop(run, None)
                         self._taken.discard(run)
+                        if run in deferred:  # prefilled part of the way: still asking
+                            continue
+                        self._wanted.pop(run, None)
                         self._done.add(run)
                     self._cond.notify_all()
 
@@ -291,7 +307,8 @@ class Batcher:
                 return
             self._slot[run] = self._free.pop()
 
-    def _execute(self, work: list[_Run]) -> None:
+    def _execute(self, work: list[_Run]) -> set[_Run]:
+        """Run this iteration's work; return the new generations whose prefill is only partly done."""
         rows = [r for r in work if r.state == "running" and _batchable(r)]
         if len(rows) < 2:
             rows = []
@@ -301,6 +318,9 @@ class Batcher:
             self.warm_up()
         engine, pool = self.engine, self.pool
         runner = engine.runner
+        # While anything decodes, newcomers' prompts share a budget of blocks per iteration.
+        budget = PREFILL_BLOCKS if any(r.state == "running" for r in list(self._slot)) else None
+        deferred: set[_Run] = set()
         for run in work:
             if rows and run in rows:
                 continue
@@ -311,15 +331,37 @@ class Batcher:
             pool.reserve(slot, window_for(offset + RESERVE_AHEAD, pool.max_len))
             runner.cache = pool.cache(slot)
             try:
+                if kind == "prefill":
+                    resumed = run in self._partial
+                    partial = self._partial.setdefault(run, PartialPrefill(list(run.prompt_ids)))
+                    if run.timing.gate_at is None:
+                        run.timing.gate_at = started  # its prefill starts now, whatever its pieces
+                    if budget is not None:
+                        with torch.inference_mode():
+                            runner.prefill_blocks(partial, 0)  # prefix-cache hits cost nothing
+                        need = -(-partial.left // PREFILL_CHUNK)
+                        if need > budget:
+                            with torch.inference_mode():
+                                runner.prefill_blocks(partial, min(budget, need - 1))
+                            budget -= min(budget, need - 1)
+                            deferred.add(run)
+                            continue
+                        budget -= need
+                    self.split_prefills += resumed
+                    runner.partial = partial
                 run._work()
             except BaseException as exc:
                 run._error = exc
+                deferred.discard(run)
             finally:
                 runner.cache = engine.cache
-            self.solo_steps += 1
-            self.busy_s[kind] += time.perf_counter() - started
+                runner.partial = None
+                if run not in deferred:
+                    self._partial.pop(run, None)
+                self.solo_steps += 1
+                self.busy_s[kind] += time.perf_counter() - started
         if not rows:
-            return
+            return deferred
         assert self._step is not None
         decoders = [r._decoder for r in rows]
         assert all(isinstance(d, VanillaDecoder) for d in decoders)
@@ -338,6 +380,7 @@ class Batcher:
                 except BaseException as exc:
                     run._error = exc
         self.busy_s["batched_step"] += time.perf_counter() - start
+        return deferred
 
 
 def _batchable(run: _Run) -> bool:

@@ -157,7 +157,9 @@ class _Run:
         engine = self.engine
         if self.state == "new":
             self.state = "running"
-            self._start = self.timing.gate_at = time.perf_counter()
+            if self.timing.gate_at is None:  # the step loop may have prefilled part of the prompt already
+                self.timing.gate_at = time.perf_counter()
+            self._start = self.timing.gate_at
             kwargs: dict[str, Any] = {} if self.constraint is None else {"constraint": self.constraint}
             if self.policy is not None:
                 kwargs["policy"] = self.policy

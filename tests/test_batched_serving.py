@@ -339,3 +339,53 @@ def test_a_full_engine_queue_is_a_429_with_retry_after():
     response = asyncio.run(_detail(None, EngineBusyError("the engine is busy: retry later")))  # type: ignore[arg-type]
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert b"retry later" in response.body
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_generations_steps(batched, mt_bench_prompts):
+    """A ~450-token prompt arriving while three generations decode is prefilled a few blocks per
+    iteration (``PREFILL_BLOCKS``): the others keep getting tokens while it prefills, and every
+    generation, the long one included, gets exactly its tokens from the engine with no batcher."""
+    from elesium.inference.batcher import PREFILL_BLOCKS
+    from elesium.inference.runtime.forward import PREFILL_CHUNK
+
+    engine, batcher = batched, batched.batcher
+    long_prompt = " ".join(mt_bench_prompts[20:32])
+    assert len(engine.encode_prompt(long_prompt)) > (PREFILL_BLOCKS + 2) * PREFILL_CHUNK
+    short = [(p[:120], SamplingParams(max_tokens=60, temperature=0.0)) for p in mt_bench_prompts[:3]]
+    jobs = [*short, (long_prompt, SamplingParams(max_tokens=8, temperature=0.7, top_p=0.95, seed=5))]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, params, mode="vanilla").token_ids for p, params in jobs]
+    finally:
+        engine.batcher = batcher
+    timings: list = []
+    engine.add_observer(timings.append)
+    engine.prefix_cache.clear()  # the solo run above must not serve the long prompt's blocks
+    split_before = batcher.split_prefills
+    got: dict[int, tuple[int, ...]] = {}
+    try:
+        streams = [engine.stream(p, params, mode="vanilla") for p, params in short]
+        readers = [iter(s) for s in streams]
+        for reader in readers:  # all three decoding before the long one arrives
+            next(reader)
+
+        def drain(i: int) -> None:
+            with streams[i]:
+                for _ in readers[i]:
+                    pass
+                got[i] = streams[i].result.token_ids
+
+        threads = [threading.Thread(target=drain, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        got[3] = engine.generate(jobs[3][0], jobs[3][1], mode="vanilla").token_ids
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.remove_observer(timings.append)
+    assert got == dict(enumerate(solo))
+    assert batcher.split_prefills > split_before, "the long prompt was prefilled in one piece"
+    long_timing = next(t for t in timings if t.prompt_tokens == len(engine.encode_prompt(long_prompt)))
+    during = [at for t in timings if t is not long_timing for at in t.token_at
+              if long_timing.gate_at < at < long_timing.first_token_at]
+    assert during, "no running generation got a token while the long prompt was prefilled"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -42,6 +43,22 @@ pass an eager stand-in whose ``replay()`` runs the body."""
 __all__ = ["DRAFT_TOPK", "Capture", "CudaGraphRunner", "ForwardRunner", "StepOutputs"]
 
 
+@dataclass
+class PartialPrefill:
+    """A prompt prefilled part of the way from slot 0: the step loop spreads a long prompt's blocks over
+    several iterations, between the running generations' steps (``Batcher``), and the decoder's own
+    ``prefill`` then finishes it (``ForwardRunner.partial``)."""
+
+    ids: list[int]
+    done: int = 0  # positions written
+    parts: list[torch.Tensor] = field(default_factory=list)  # their hidden states, block by block
+    hit_blocks: int = -1  # blocks served by the prefix cache; -1: not looked up yet
+
+    @property
+    def left(self) -> int:
+        return len(self.ids) - self.done
+
+
 class ForwardRunner:
     """Eager forwards over one KV cache (batch 1), plus the heads' own cache when they keep one.
 
@@ -66,6 +83,9 @@ class ForwardRunner:
         # Prompt prefixes already prefilled (``prefix_cache.py``); the engine attaches one where the
         # prefill's blocks are exact to reuse (the eager CPU prefill).
         self.prefix_cache: PrefixCache | None = None
+        # A prompt the step loop already prefilled part of, into ``cache``: the next ``prefill`` of the
+        # same prompt from slot 0 goes on from it (the loop sets it around a generation's prefill).
+        self.partial: PartialPrefill | None = None
         ForwardRunner.set_heads(self, heads)
 
     @property
@@ -117,30 +137,52 @@ class ForwardRunner:
         """Write the prompt into the cache from slot ``start``; return hidden states ``[len, hidden]``.
 
         The prompt goes in blocks of ``PREFILL_CHUNK`` counted from its first token, so the attention
-        mask stays ``[chunk, prefix + chunk]`` and a whole prompt prefilled from slot 0 can take its
-        first blocks from the prefix cache: the same bits the forward would compute again.
+        mask stays ``[chunk, prefix + chunk]``, a whole prompt prefilled from slot 0 can take its first
+        blocks from the prefix cache (the same bits the forward would compute again), and the step
+        loop can run some blocks early (``partial``) without changing a bit.
         """
-        chunk = PREFILL_CHUNK
-        cache = self.prefix_cache if start == 0 and self.prefix_cache is not None else None
-        if cache is not None and cache.block != chunk:
-            cache = None
-        outs = []
-        done = 0
+        if start != 0:
+            outs = []
+            for lo in range(0, len(prompt_ids), PREFILL_CHUNK):
+                outs.append(self._prefill_block(prompt_ids[lo:lo + PREFILL_CHUNK], start + lo))
+            return torch.cat(outs)
+        partial = self.partial
+        if partial is None or partial.ids != prompt_ids:
+            partial = PartialPrefill(list(prompt_ids))
+        self.prefill_blocks(partial, None)
+        hidden = torch.cat(partial.parts)
+        cache = self._prefix_cache()
         if cache is not None:
-            for block in cache.match(prompt_ids):
-                self.cache.k[:, 0, :, done:done + chunk] = block.k
-                self.cache.v[:, 0, :, done:done + chunk] = block.v
-                outs.append(block.hidden)
-                done += chunk
-        for lo in range(done, len(prompt_ids), chunk):
-            part = prompt_ids[lo:lo + chunk]
-            tokens = torch.tensor([part], device=self.device)
-            positions = torch.arange(start + lo, start + lo + len(part), device=self.device)
-            outs.append(self.model(tokens, positions, self.cache, start + lo)[0])
-        hidden = torch.cat(outs)
-        if cache is not None:
-            cache.store(prompt_ids, self.cache, hidden, done // chunk)
+            cache.store(prompt_ids, self.cache, hidden, partial.hit_blocks)
         return hidden
+
+    def prefill_blocks(self, partial: PartialPrefill, blocks: int | None) -> None:
+        """Prefill up to ``blocks`` more blocks of ``partial`` (None: all), prefix-cache hits first."""
+        chunk = PREFILL_CHUNK
+        if partial.hit_blocks < 0:
+            partial.hit_blocks = 0
+            cache = self._prefix_cache()
+            if cache is not None:
+                for block in cache.match(partial.ids):
+                    self.cache.k[:, 0, :, partial.done:partial.done + chunk] = block.k
+                    self.cache.v[:, 0, :, partial.done:partial.done + chunk] = block.v
+                    partial.parts.append(block.hidden)
+                    partial.done += chunk
+                    partial.hit_blocks += 1
+        while partial.left > 0 and (blocks is None or blocks > 0):
+            lo = partial.done
+            partial.parts.append(self._prefill_block(partial.ids[lo:lo + chunk], lo))
+            partial.done += min(chunk, partial.left)
+            blocks = None if blocks is None else blocks - 1
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        cache = self.prefix_cache
+        return cache if cache is not None and cache.block == PREFILL_CHUNK else None
+
+    def _prefill_block(self, tokens: list[int], at: int) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=self.device)
+        positions = torch.arange(at, at + len(tokens), device=self.device)
+        return self.model(ids, positions, self.cache, at)[0]
 
     def step_outputs(self, tokens: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor | None,
                      offset: int | torch.Tensor, with_drafts: bool) -> StepOutputs:
