@@ -285,6 +285,7 @@ class ChatCompletion:
     created: int = field(default_factory=lambda: int(time.time()))
     # When the request arrived (perf_counter): its serving latencies include the wait for the engine thread.
     arrived_at: float = field(default_factory=time.perf_counter)
+    tenant: str | None = None  # who asked: fair admission to the engine's batch
 
     @property
     def model(self) -> str:
@@ -292,7 +293,7 @@ class ChatCompletion:
 
     def _request(self) -> GenerationRequest:
         return GenerationRequest(self.messages, self.params, mode=self.mode, constraint=self.constraint,
-                                 arrived_at=self.arrived_at)
+                                 arrived_at=self.arrived_at, tenant=self.tenant)
 
     def _count(self, gen: Any) -> None:
         self.svc.metrics.generated_tokens.inc(gen.new_tokens)

@@ -154,7 +154,7 @@ def call_llm(
         prompt_ids = ctx.engine.encode_prompt(messages)
         stream = ctx.engine.start(GenerationRequest(
             prompt_ids, sampling, mode=decode_mode, constraint=spec.constraint() if constrained else None,
-            policy=policy, tag=CallTag(node, call_index)))
+            policy=policy, tag=CallTag(node, call_index), tenant=ctx.tenant))
         for chunk in stream:
             if not chunk.text and not chunk.token_ids:
                 continue

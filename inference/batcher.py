@@ -8,7 +8,8 @@ from its prefill to its end, and one thread, the step loop, owns the model:
    ahead of what its caller reads); the loop gathers the asks for a few milliseconds, until every
    running generation has asked or ``GATHER_S`` passes, so that a slow consumer delays the others by
    at most that;
-2. new generations are admitted in arrival order while slots are free, and prefilled one by one;
+2. new generations are admitted while slots are free, fairly between tenants (``_admit``), and
+   prefilled one by one;
    while others are decoding, a long prompt's prefill is spread over iterations, at most
    ``PREFILL_BLOCKS`` blocks of prompt per iteration between their steps, so a newcomer delays each
    running generation's next token by a bounded amount (two 64-token blocks, ~0.2 s on 2 cores),
@@ -29,9 +30,8 @@ Work that needs the model but is not a generation (``Engine.hidden_states``) run
 between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 
 Not here yet (``docs/design/batched-serving.md``): prefill blocks as rows of the batched forward
-(they run as their own forward between steps), speculative trees inside the batch, per-tenant
-fairness and deadlines, and CUDA (the CUDA engine keeps its captured one-sequence graphs and serves
-one generation at a time).
+(they run as their own forward between steps), speculative trees inside the batch, deadlines, and
+CUDA (the CUDA engine keeps its captured one-sequence graphs and serves one generation at a time).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -294,17 +294,28 @@ class Batcher:
             return True
 
     def _admit(self) -> None:
-        """Give free slots to new generations, first come first served (called under the lock)."""
+        """Give free slots to new generations, fairly between tenants (called under the lock).
+
+        Each free slot goes to the waiting generation whose tenant holds the fewest slots now, the
+        earliest arrival among equals: one tenant's burst takes the slots nobody else asks for, and a
+        second tenant's request gets the next free slot however many the first has queued. Within a
+        tenant it is first come, first served. A slot is the unit because it is what a generation
+        holds for its whole life, whatever its speed.
+        """
         # Heads with a drafting cache of their own keep one sequence's drafting state in the runner:
         # one speculative generation at a time then (vanilla ones never touch it).
         one_tree = self.engine.runner.drafter_cache is not None
-        for run in list(self._wanted):
-            if run in self._slot or run._cancel:
-                continue
-            if not self._free:
+        waiting = [r for r in list(self._wanted) if r not in self._slot and not r._cancel]
+        held = Counter(r.tenant for r in list(self._slot))
+        tree_held = any(r.mode != "vanilla" for r in list(self._slot))
+        while self._free and waiting:
+            ready = [r for r in waiting if not (one_tree and tree_held and r.mode != "vanilla")]
+            if not ready:
                 return
-            if one_tree and run.mode != "vanilla" and any(r.mode != "vanilla" for r in list(self._slot)):
-                return
+            run = min(ready, key=lambda r: held[r.tenant])  # min keeps the earliest of equals
+            waiting.remove(run)
+            held[run.tenant] += 1
+            tree_held = tree_held or run.mode != "vanilla"
             self._slot[run] = self._free.pop()
 
     def _execute(self, work: list[_Run]) -> set[_Run]:

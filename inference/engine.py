@@ -426,13 +426,14 @@ class Engine:
                mode: DecodeMode | str | None = None, raw: bool = False,
                on_step: Callable[[StepRecord], None] | None = None,
                constraint: Constraint | None = None, policy: TreePolicy | None = None,
-               arrived_at: float | None = None) -> GenerationStream:
+               arrived_at: float | None = None, tenant: str | None = None) -> GenerationStream:
         """Start a generation; iterate the returned stream for chunks, then read ``.result``.
 
         Bad input (empty or too long prompt, a speculative mode without heads) raises here, before
         the stream exists. The stream takes the engine on its first chunk and holds it until it
         finishes or is closed; ``on_step`` runs outside inference mode, after each step. ``arrived_at``
         (``time.perf_counter()``): when the request arrived, if earlier than now (its timing's start).
+        ``tenant``: who asked, for fair admission to the batch (``GenerationRequest.tenant``).
         """
         params = params or SamplingParams()
         chosen = self.resolve_mode(mode)
@@ -441,13 +442,13 @@ class Engine:
             self.batcher.check_room()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         return GenerationStream(self, ids, params, chosen, seed, on_step, constraint, policy,
-                                arrived_at=arrived_at)
+                                arrived_at=arrived_at, tenant=tenant)
 
     def start(self, request: GenerationRequest, *, on_step: StepHook | None = None) -> GenerationStream:
         """:class:`~elesium.inference.types.TextEngine`'s entry: ``stream`` for a request value."""
         return self.stream(request.prompt, request.sampling, mode=request.mode, raw=request.raw,  # type: ignore[arg-type]
                            on_step=on_step, constraint=request.constraint, policy=request.policy,
-                           arrived_at=request.arrived_at)
+                           arrived_at=request.arrived_at, tenant=request.tenant)
 
     def warm_up(self) -> float:
         """Compile what serving needs before the first request (seconds taken): the one-sequence step,

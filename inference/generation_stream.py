@@ -56,8 +56,9 @@ class _Run:
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, mode: DecodeMode,
                  seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None,
-                 policy: Any = None, arrived_at: float | None = None) -> None:
+                 policy: Any = None, arrived_at: float | None = None, tenant: str | None = None) -> None:
         self.engine = engine
+        self.tenant = tenant  # fair admission to the step loop's slots (Batcher._admit)
         self.prompt_ids = prompt_ids
         self.params = params
         self.mode = mode
@@ -266,8 +267,9 @@ class GenerationStream:
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, mode: DecodeMode,
                  seed: int, on_step: Callable[[StepRecord], None] | None, constraint: Any = None,
-                 policy: Any = None, *, arrived_at: float | None = None) -> None:
-        self._run = _Run(engine, prompt_ids, params, mode, seed, on_step, constraint, policy, arrived_at)
+                 policy: Any = None, *, arrived_at: float | None = None, tenant: str | None = None) -> None:
+        self._run = _Run(engine, prompt_ids, params, mode, seed, on_step, constraint, policy, arrived_at,
+                         tenant)
         finalizer = weakref.finalize(self, self._run.close)
         finalizer.atexit = False
 

@@ -62,7 +62,9 @@ class GenerationRequest:
     ``arrived_at`` (``time.perf_counter()``) is when the request reached the server, for a caller that
     queues it before the engine sees it (the API's engine thread): the generation's serving latencies
     (queue time, time to first token) count from there; None counts from when the engine got it. It
-    changes no token, so requests that differ only in it are equal.
+    changes no token, so requests that differ only in it are equal. ``tenant`` is who asked: while
+    generations wait for a slot, the engine admits the one whose tenant holds the fewest slots, so
+    one tenant's burst cannot hold every slot while another waits (it changes no token either).
     """
 
     prompt: Prompt
@@ -73,6 +75,7 @@ class GenerationRequest:
     raw: bool = False
     tag: CallTag | None = None
     arrived_at: float | None = field(default=None, compare=False)
+    tenant: str | None = field(default=None, compare=False)
 
 
 @runtime_checkable

@@ -389,3 +389,56 @@ def test_a_long_prompt_is_prefilled_between_the_running_generations_steps(batche
     during = [at for t in timings if t is not long_timing for at in t.token_at
               if long_timing.gate_at < at < long_timing.first_token_at]
     assert during, "no running generation got a token while the long prompt was prefilled"
+
+
+class _Waiting:
+    """What admission reads of a generation: its tenant, its mode and whether it was cancelled."""
+
+    def __init__(self, name: str, tenant: str | None, mode: str = "vanilla") -> None:
+        self.name, self.tenant, self.mode, self._cancel = name, tenant, mode, False
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def test_admission_is_fair_between_tenants(engine):
+    """A tenant's burst queued first does not hold every slot: the next free slot goes to the tenant
+    holding the fewest, earliest arrival among equals, first come first served within a tenant."""
+    from elesium.inference.batcher import Batcher
+
+    batcher = Batcher(engine, 3, compiled=False)
+    a = [_Waiting(f"a{i}", "acme") for i in range(5)]
+    b = [_Waiting(f"b{i}", "bolt") for i in range(2)]
+    anon = _Waiting("anon", None)
+    for run in [*a, *b, anon]:
+        batcher._wanted[run] = None  # type: ignore[index]
+    batcher._admit()
+    assert list(batcher._slot) == [a[0], b[0], anon]
+    batcher.release(a[0])  # type: ignore[arg-type]
+    batcher._admit()
+    assert list(batcher._slot)[-1] == a[1]  # acme holds none again: its next in line
+    batcher.release(anon)  # type: ignore[arg-type]
+    batcher._admit()
+    assert list(batcher._slot)[-1] == a[2]  # acme 1, bolt 1: the earliest arrival of the two
+    batcher.release(b[0])  # type: ignore[arg-type]
+    batcher._admit()
+    assert list(batcher._slot)[-1] == b[1]  # acme 2, bolt 0: bolt's, though acme's queued first
+    a[3]._cancel = True
+    batcher.release(a[1])  # type: ignore[arg-type]
+    batcher._admit()
+    assert list(batcher._slot)[-1] == a[4]  # a cancelled request is skipped
+
+
+def test_one_tree_at_a_time_does_not_block_the_queue_behind_it(engine):
+    from elesium.inference.batcher import Batcher
+
+    batcher = Batcher(engine, 3, compiled=False)
+    engine.runner.drafter_cache, saved = object(), engine.runner.drafter_cache  # heads with a drafter cache
+    try:
+        runs = [_Waiting("t0", "x", "speculative"), _Waiting("t1", "x", "speculative"), _Waiting("v", "x")]
+        for run in runs:
+            batcher._wanted[run] = None  # type: ignore[index]
+        batcher._admit()
+        assert list(batcher._slot) == [runs[0], runs[2]]  # t1 waits for the tree; v does not wait for t1
+    finally:
+        engine.runner.drafter_cache = saved

@@ -17,14 +17,16 @@ ENV_VALUES = {
     "model": "/env/model.gguf", "device": "cpu", "dtype": "float32", "data_dir": "/env/data",
     "cache_dir": "/env/cache", "redis_url": "redis://env:6379/0", "appendfsync": "always",
     "valkey_server": "/env/valkey-server", "tree_attention": "reference", "invariant_numerics": "on",
-    "cpu_weights": "bfloat16", "cpu_compile": "on", "max_batch": "4", "audit_key": "env-secret",
+    "cpu_weights": "bfloat16", "cpu_compile": "on", "max_batch": "4", "prefix_cache_mb": "64",
+    "audit_key": "env-secret",
     "audit_signing_key_file": "/env/audit.pem", "audit_chain": "off",
 }
 FLAG_VALUES = {
     "model": "/flag/model.gguf", "device": "cuda", "dtype": "bfloat16", "data_dir": "/flag/data",
     "cache_dir": "/flag/cache", "redis_url": "redis://flag:6379/0", "appendfsync": "no",
     "valkey_server": "/flag/valkey-server", "tree_attention": "triton", "invariant_numerics": "off",
-    "cpu_weights": "float32", "cpu_compile": "off", "max_batch": "8", "audit_key": "flag-secret",
+    "cpu_weights": "float32", "cpu_compile": "off", "max_batch": "8", "prefix_cache_mb": "32",
+    "audit_key": "flag-secret",
     "audit_signing_key_file": "/flag/audit.pem", "audit_chain": "on",
 }
 
@@ -46,7 +48,7 @@ def test_every_field_has_one_env_var_and_one_flag():
     for command in ("generate", "demo"):
         options = {o for a in subparser(command)._actions for o in a.option_strings}
         model_side = {"model", "device", "dtype", "cache_dir", "tree_attention", "invariant_numerics",
-                      "cpu_weights", "cpu_compile", "max_batch"}
+                      "cpu_weights", "cpu_compile", "max_batch", "prefix_cache_mb"}
         wanted = model_side if command == "generate" else set(ENV_VARS)
         assert {cli_flag(name) for name in wanted} <= options, command
 

@@ -48,6 +48,7 @@ async def chat_completions(
     """Async without blocking: no Redis here, the generation waits on the engine thread."""
     try:
         chat = chat_service.prepare(services(request), body)
+        chat.tenant = who.tenant
     except ApiError as exc:
         # OpenAI clients read ``error.message`` (the openai package puts it in the exception's text).
         error = {"message": exc.detail, "type": "invalid_request_error",
