@@ -99,7 +99,6 @@ class Batcher:
         self._compiled = compiled
         self._pool: SlotPool | None = None  # taken on first use: an idle engine reserves nothing
         self._step: BatchedCpuStep | None = None
-        self._step_ready = threading.Event()  # the batched graph is compiled
         self._warm_lock = threading.Lock()
         self._cond = threading.Condition()
         self._free: list[int] = list(range(slots - 1, -1, -1))
@@ -141,20 +140,19 @@ class Batcher:
         twelve short generations, BENCHMARKS §16).
         """
         with self._warm_lock:
-            if self._step_ready.is_set():
+            if self._step is not None:
                 return
             started = time.perf_counter()
             step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled)
             scratch = self.slots  # never handed to a generation
             step.decode([0, 0], [0, 1], [scratch, scratch])
-            self._step = step
-            self._step_ready.set()
+            self._step = step  # set last: a step that sees it may use the compiled graph
             log.info("batched step ready in %.1f s", time.perf_counter() - started)
 
     @property
     def batching(self) -> bool:
         """Whether the batched step is compiled (before that, no step has had two rows)."""
-        return self._step_ready.is_set()
+        return self._step is not None
 
     @property
     def running(self) -> int:
@@ -259,8 +257,9 @@ class Batcher:
                         self._taken.discard(run)
                         if run in deferred:  # prefilled part of the way: still asking
                             continue
-                        self._wanted.pop(run, None)
-                        self._done.add(run)
+                        if run in self._wanted:  # else released meanwhile (a finaliser): nobody waits
+                            del self._wanted[run]
+                            self._done.add(run)
                     self._cond.notify_all()
 
     def _next(self, jobs: list[_Job], work: list[_Run]) -> bool:
@@ -323,7 +322,7 @@ class Batcher:
         rows = [r for r in work if r.state == "running" and _batchable(r)]
         if len(rows) < 2:
             rows = []
-        elif not self._step_ready.is_set():
+        elif self._step is None:
             log.warning("compiling the batched step on the step loop: %d generations wait for it "
                         "(warm the engine up at start: Engine.warm_up)", len(work))
             self.warm_up()

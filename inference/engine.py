@@ -506,15 +506,16 @@ class Engine:
         if not layers or any(not 0 <= i <= n_layers for i in layers):
             raise ValueError(f"layers must be in 0..{n_layers}, got {list(layers)}")
         ids = self.encode_prompt(list(prompt_ids))
-        hit = self._memo_get((tuple(ids), tuple(layers)))
+        key = (tuple(ids), tuple(layers))
+        hit = self._memo_get(key)
         if hit is not None:
             return hit
         if self.batcher is not None:  # on the step loop, between steps: one thread drives the model
-            return self.batcher.call(lambda: self._hidden_states(ids, layers))
+            return self.batcher.call(lambda: self._hidden_states(key))
         token = object()
         self._gate.acquire(token)
         try:
-            return self._hidden_states(ids, layers)
+            return self._hidden_states(key)
         finally:
             self._gate.release(token)
 
@@ -527,8 +528,8 @@ class Engine:
             self.hidden_memo_hits += 1
             return hit.clone()  # a copy: the caller may change what it gets
 
-    def _hidden_states(self, ids: list[int], layers: Sequence[int]) -> torch.Tensor:
-        key = (tuple(ids), tuple(layers))
+    def _hidden_states(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+        ids, layers = key
         hit = self._memo_get(key)  # asked again while this one waited for the loop
         if hit is not None:
             return hit
