@@ -80,10 +80,11 @@ class EngineBusyError(UserError, RuntimeError):
 class _Job:
     """A function to run on the loop's thread, and its outcome."""
 
-    __slots__ = ("done", "error", "fn", "value")
+    __slots__ = ("done", "error", "fn", "ready", "value")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], ready: threading.Condition) -> None:
         self.fn = fn
+        self.ready = ready  # its caller waits on it (the batcher's lock)
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -100,7 +101,13 @@ class Batcher:
         self._pool: SlotPool | None = None  # taken on first use: an idle engine reserves nothing
         self._step: BatchedCpuStep | None = None
         self._warm_lock = threading.Lock()
-        self._cond = threading.Condition()
+        # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
+        # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
+        # work it finished. With one shared condition every notify woke every waiting consumer:
+        # ~16 asks a step times ~30 waiters, each taking the lock and the GIL from the loop.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters: dict[_Run, threading.Condition] = {}
         self._free: list[int] = list(range(slots - 1, -1, -1))
         self._slot: dict[_Run, int] = {}  # generations holding a slot (running or being prefilled)
         self._wanted: dict[_Run, None] = {}  # generations whose consumer waits for their next step, in order
@@ -177,19 +184,23 @@ class Batcher:
 
         Returns False, without doing it, when the run was cancelled before the loop took it.
         """
-        with self._cond:
+        with self._lock:
             self._start_thread()
             self._wanted[run] = None
-            self._cond.notify_all()
-            while True:
-                if run in self._done:
-                    self._done.discard(run)
-                    return True
-                if run._cancel and run not in self._taken:
-                    self._wanted.pop(run, None)
-                    self._cond.notify_all()
-                    return False
-                self._cond.wait()
+            self._cond.notify()
+            mine = self._waiters[run] = threading.Condition(self._lock)
+            try:
+                while True:
+                    if run in self._done:
+                        self._done.discard(run)
+                        return True
+                    if run._cancel and run not in self._taken:
+                        self._wanted.pop(run, None)
+                        self._cond.notify()
+                        return False
+                    mine.wait()
+            finally:
+                self._waiters.pop(run, None)
 
     def release(self, run: _Run) -> None:
         """``run`` ended: free its slot and forget its asks."""
@@ -200,22 +211,31 @@ class Batcher:
             self._wanted.pop(run, None)
             self._done.discard(run)
             self._partial.pop(run, None)
-            self._cond.notify_all()
+            self._cond.notify()
+            self._wake_run(run)
 
     def wake(self) -> None:
         """Make waiting consumers re-check their cancellation."""
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            self._cond.notify()
+            for waiter in list(self._waiters.values()):
+                waiter.notify()
+
+    def _wake_run(self, run: _Run) -> None:
+        """Wake ``run``'s consumer if it waits in :meth:`run` (called under the lock)."""
+        waiter = self._waiters.get(run)
+        if waiter is not None:
+            waiter.notify()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop's thread between two steps and return its value (or raise its error)."""
-        job = _Job(fn)
-        with self._cond:
+        with self._lock:
+            job = _Job(fn, threading.Condition(self._lock))
             self._start_thread()
             self._jobs.append(job)
-            self._cond.notify_all()
+            self._cond.notify()
             while not job.done:
-                self._cond.wait()
+                job.ready.wait()
         if job.error is not None:
             raise job.error
         return job.value  # type: ignore[no-any-return]
@@ -250,9 +270,10 @@ class Batcher:
                 for run in work:
                     run._error = run._error or exc
             finally:
-                with self._cond:
+                with self._lock:
                     for job in jobs:
                         job.done = True
+                        job.ready.notify()
                     for run in work:
                         self._taken.discard(run)
                         if run in deferred:  # prefilled part of the way: still asking
@@ -260,7 +281,7 @@ class Batcher:
                         if run in self._wanted:  # else released meanwhile (a finaliser): nobody waits
                             del self._wanted[run]
                             self._done.add(run)
-                    self._cond.notify_all()
+                            self._wake_run(run)
 
     def _next(self, jobs: list[_Job], work: list[_Run]) -> bool:
         """Wait for work, gather the running generations' asks, admit new ones; fill ``jobs`` and ``work``.
