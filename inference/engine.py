@@ -11,7 +11,8 @@ This is the clean Python API the workflow layer calls::
 On the compiled CPU step many generations run at once: each holds a slot of one KV pool from its
 first chunk until it finishes, is closed, is left by its ``for`` loop, or is garbage-collected, and
 the engine's step loop decodes them together (:mod:`elesium.inference.batcher`); past
-``ELESIUM_MAX_BATCH`` they wait in arrival order. Elsewhere (CUDA, the eager CPU path) one generation
+``ELESIUM_MAX_BATCH`` they wait, and a freed slot goes to the tenant holding the fewest (arrival
+order within a tenant). Elsewhere (CUDA, the eager CPU path) one generation
 owns the engine at a time in the same way (see :mod:`elesium.inference.generation_stream`).
 """
 

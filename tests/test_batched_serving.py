@@ -442,3 +442,15 @@ def test_one_tree_at_a_time_does_not_block_the_queue_behind_it(engine):
         assert list(batcher._slot) == [runs[0], runs[2]]  # t1 waits for the tree; v does not wait for t1
     finally:
         engine.runner.drafter_cache = saved
+
+
+def test_the_tenant_reaches_the_generation(engine):
+    """``GenerationRequest.tenant`` is what admission reads, and it changes no token (not compared)."""
+    from elesium.inference.types import GenerationRequest
+
+    request = GenerationRequest("hello", SamplingParams(max_tokens=2), tenant="acme")
+    assert request == GenerationRequest("hello", SamplingParams(max_tokens=2), tenant="bolt")
+    stream = engine.start(request)
+    with stream:
+        assert stream._run.tenant == "acme"
+        assert [c for c in stream]
