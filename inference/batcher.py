@@ -150,7 +150,8 @@ class Batcher:
             if self._step is not None:
                 return
             started = time.perf_counter()
-            step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled)
+            step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled,
+                                  precompile=self.engine.precompile)
             scratch = self.slots  # never handed to a generation
             step.decode([0, 0], [0, 1], [scratch, scratch])
             self._step = step  # set last: a step that sees it may use the compiled graph

@@ -57,6 +57,7 @@ from elesium.inference.runtime.forward import PREFILL_CHUNK, TREE_BUCKETS, CudaG
 from elesium.inference.runtime.invariant import apply_invariant_numerics, is_invariant
 from elesium.inference.runtime.invariant import resolve as resolve_invariant
 from elesium.inference.runtime.model import Transformer, build_model
+from elesium.inference.runtime.precompiled import PrecompileStore
 from elesium.inference.runtime.prefix_cache import PrefixCache
 from elesium.inference.sampling import Sampler, SamplingParams
 from elesium.inference.tuning.profile import (
@@ -158,8 +159,12 @@ class Engine:
                  max_len: int | None = None, cuda_graphs: bool | None = None, speculate: bool = True,
                  profile: TuneProfile | None = None, heads_dir: str = "", heads_reason: str = "",
                  profile_reason: str = "", cpu_compile: bool = False, max_batch: int | str = "auto",
-                 prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB) -> None:
+                 prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, precompile: PrecompileStore | None = None,
+                 ) -> None:
         self.model = model
+        # Where compiled CPU step graphs are saved and loaded (runtime/precompiled.py); None: compiled
+        # in each process, as torch.compile does.
+        self.precompile = precompile
         self.speculate = speculate
         # What Engine.load chose and why (describe(), fingerprint(), the load log line).
         self.profile = profile
@@ -175,7 +180,7 @@ class Engine:
         if use_graphs:
             self.runner = CudaGraphRunner(model, self.cache, heads, buckets=TREE_BUCKETS)
         elif cpu_compile and model.device.type == "cpu":
-            self.runner = CompiledCpuRunner(model, self.cache, heads)
+            self.runner = CompiledCpuRunner(model, self.cache, heads, precompile=precompile)
         else:
             self.runner = ForwardRunner(model, self.cache, heads)
         # Prompt prefixes shared across generations (runtime/prefix_cache.py), where the prefill's blocks
@@ -279,7 +284,12 @@ class Engine:
         engine = cls(net, weights.tokenizer, weights=weights, heads=medusa, policy=policy, max_len=max_len,
                      cuda_graphs=cuda_graphs, speculate=speculate, profile=profile, heads_dir=heads_dir,
                      heads_reason=heads_reason, profile_reason=profile_reason, cpu_compile=cpu_compile,
-                     max_batch=settings.max_batch, prefix_cache_mb=int(settings.prefix_cache_mb))
+                     max_batch=settings.max_batch, prefix_cache_mb=int(settings.prefix_cache_mb),
+                     precompile=PrecompileStore(settings.cache_dir / "precompiled",
+                                                f"{weights.sha256}-{weights_of(net)}")
+                     if cpu_compile else None)
+        if isinstance(engine.runner, CompiledCpuRunner):  # saved graphs now, not in the first request
+            engine.runner.preload(trees=engine.default_mode != "vanilla")
         d = engine.describe()
         log.info("engine: model %s on %s/%s; heads %s (%s); profile %s (%s); default mode %s (%s); "
                  "tree attention %s", weights.source.name, d["device"], d["dtype"], d["heads_dir"] or "none",

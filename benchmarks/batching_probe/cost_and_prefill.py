@@ -143,8 +143,9 @@ def main() -> None:
             kw, vw = runner.cache.k[:, :, :, :width], runner.cache.v[:, :, :, :width]
             torch._dynamo.mark_dynamic(kw, 3)
             torch._dynamo.mark_dynamic(vw, 3)
-            outs[width] = runner._step(
-                torch.tensor([[tok]]), torch.tensor([100]), torch.tensor(100), kw, vw, model.causal(1)
+            outs[width] = runner.graphs["one"](
+                runner.model, torch.tensor([[tok]]), torch.tensor([100]), torch.tensor(100), kw, vw,
+                model.causal(1)
             )[1][0, 0].clone()
         res["compiled_window_invariance"] = {w: bool(torch.equal(outs[w], outs[256])) for w in outs}
     res["loadavg_end"] = os.getloadavg()

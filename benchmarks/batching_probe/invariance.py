@@ -199,8 +199,9 @@ def main() -> None:
             kw, vw = runner.cache.k[:, :, :, :width], runner.cache.v[:, :, :, :width]
             torch._dynamo.mark_dynamic(kw, 3)
             torch._dynamo.mark_dynamic(vw, 3)
-            c = runner._step(
-                torch.tensor([[tok]]), torch.tensor([L]), torch.tensor(L), kw, vw, model.causal(1)
+            c = runner.graphs["one"](
+                runner.model, torch.tensor([[tok]]), torch.tensor([L]), torch.tensor(L), kw, vw,
+                model.causal(1)
             )[1][0, 0]
             D[f"compiled_W{width}_vs_eager_W256"] = eq(c, base)
         res["D_window_width"] = D

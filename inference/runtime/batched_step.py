@@ -28,6 +28,7 @@ import torch
 
 from elesium.inference.runtime.cpu_step import window_for
 from elesium.inference.runtime.model import Block, Transformer
+from elesium.inference.runtime.precompiled import PrecompiledFunction, PrecompileStore
 from elesium.inference.runtime.slot_pool import SlotPool
 
 BatchOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -88,17 +89,16 @@ class BatchedCpuStep:
     runs the function eagerly (the reference in tests).
     """
 
-    def __init__(self, model: Transformer, pool: SlotPool, compiled: bool = True) -> None:
+    def __init__(self, model: Transformer, pool: SlotPool, compiled: bool = True,
+                 precompile: PrecompileStore | None = None) -> None:
         self.model = model
         self.pool = pool
         self.compiled = compiled
-        self._step: Callable[..., Any] = self._bound
-        if compiled:
-            self._step = torch.compile(self._bound, fullgraph=True, dynamic=False)
-
-    def _bound(self, tokens: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
-               v_pool: torch.Tensor) -> BatchOut:
-        return batched_decode_forward(self.model, tokens, offsets, slots, k_pool, v_pool)
+        self._step: Callable[..., Any] = batched_decode_forward
+        if compiled:  # saved on first use and loaded by later processes where there is a store
+            # The pool's length names the graph: the pool's strides are compiled in as constants.
+            self._step = PrecompiledFunction(batched_decode_forward, f"cpu-batched-step-{pool.max_len}",
+                                             precompile)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], offsets: list[int],
@@ -119,7 +119,7 @@ class BatchedCpuStep:
             for tensor, dims in ((ids, (0,)), (at, (0,)), (rows, (0,)), (k_pool, (0, 3)), (v_pool, (0, 3))):
                 for dim in dims:
                     torch._dynamo.mark_dynamic(tensor, dim)
-        logits, greedy, keys, values = self._step(ids, at, rows, k_pool, v_pool)
+        logits, greedy, keys, values = self._step(self.model, ids, at, rows, k_pool, v_pool)
         # pool[slot_b, :, 0, :, offset_b] for each row b: [B, layers, kv_heads, head_dim].
         pool.k[rows, :, 0, :, at] = keys[:, :, :, 0].transpose(0, 1)
         pool.v[rows, :, 0, :, at] = values[:, :, :, 0].transpose(0, 1)

@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from elesium.inference.runtime.drafting import DRAFT_TOPK, StepDrafter, scored_topk
 from elesium.inference.runtime.forward import ForwardRunner
 from elesium.inference.runtime.model import KVCache, Transformer
+from elesium.inference.runtime.precompiled import PrecompiledFunction, PrecompileStore
 from elesium.inference.runtime.step_outputs import StepOutputs
 
 WINDOW = 256
@@ -138,17 +137,23 @@ class CompiledCpuRunner(ForwardRunner):
     """
 
     def __init__(self, model: Transformer, cache: KVCache, heads: StepDrafter | None = None,
-                 compiled: bool = True) -> None:
+                 compiled: bool = True, precompile: PrecompileStore | None = None) -> None:
         super().__init__(model, cache, heads)
         self.compiled = compiled
-        self._step: Callable[..., Any] = self._bound_step
-        if compiled:
-            self._step = torch.compile(self._bound_step, fullgraph=True, dynamic=False)
+        # Two graphs of one function: one-token steps (specialised) and trees (node count dynamic).
+        # With a store, each is saved on first use and later processes load it (precompiled.py). The
+        # cache's length is in the name: the window is a view of the cache, and its strides, which
+        # inductor compiles in as constants, follow from it.
+        self.graphs: dict[str, PrecompiledFunction] = {
+            kind: PrecompiledFunction(step_forward, f"cpu-step-{kind}-{cache.max_len}", precompile)
+            for kind in ("one", "tree")}
 
-    def _bound_step(self, tokens: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor,
-                    k_window: torch.Tensor, v_window: torch.Tensor, ancestors: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return step_forward(self.model, tokens, positions, offset, k_window, v_window, ancestors)
+    def preload(self, trees: bool) -> list[str]:
+        """Load the saved one-token graph (and the tree graph where ``trees``) now; the names loaded."""
+        if not self.compiled:
+            return []
+        names = ("one", "tree") if trees else ("one",)
+        return [name for name in names if self.graphs[name].preload()]
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], offset: int,
@@ -168,7 +173,8 @@ class CompiledCpuRunner(ForwardRunner):
                 for tensor, dims in zip(inputs, ((1,), (0,), (), (), (), (0, 1)), strict=True):
                     for dim in dims:
                         torch._dynamo.mark_dynamic(tensor, dim)
-        hidden, logits, greedy, keys, values = self._step(*inputs)
+        step = self.graphs["one" if n == 1 else "tree"] if self.compiled else step_forward
+        hidden, logits, greedy, keys, values = step(self.model, *inputs)
         self.cache.k[:, :, :, offset:offset + n] = keys
         self.cache.v[:, :, :, offset:offset + n] = values
         if not (drafts and self.fuses_drafts):
