@@ -80,6 +80,27 @@ def test_older_versions_of_a_graph_are_pruned_other_models_kept(tmp_path) -> Non
     assert not stale.exists() and kept.exists() and store.path("tiny").exists()
 
 
+def test_a_view_of_another_length_is_refused(tmp_path) -> None:
+    """A window is a view of a longer buffer, and its strides (compiled in as constants) follow that
+    buffer's length: the graph accepts windows of any width of the same buffer, nothing else."""
+    model = torch.nn.Linear(8, 4)
+
+    def window(length: int, width: int) -> torch.Tensor:
+        x = torch.randn(8, length)[:, :width].T  # [width, 8], a transposed view: columns `length` apart
+        torch._dynamo.mark_dynamic(x, 0)
+        return x
+
+    store = PrecompileStore(tmp_path, "tiny-model")
+    fn = PrecompiledFunction(scaled, "tiny-window", store)
+    fn(model, window(32, 5))
+    x = window(32, 9)
+    assert torch.allclose(fn(model, x), scaled(model, x))
+    loaded = PrecompiledFunction(scaled, "tiny-window", store)
+    assert loaded.preload() and torch.equal(loaded(model, x), fn(model, x))
+    with pytest.raises(ValueError, match="do not fit"):
+        loaded(model, window(64, 9))
+
+
 def test_no_store_is_plain_torch_compile() -> None:
     plain = PrecompiledFunction(scaled, "tiny", None)
     model = torch.nn.Linear(8, 4)

@@ -18,7 +18,8 @@ The file's name is a hash of everything the graph depends on: the function, the 
 weight format, torch and Python versions, the CPU's vector ISA, the thread count, and the source of
 this runtime package (a changed step function is a new graph). Loading skips dynamo's guards, which
 on a reloaded function compare autograd dispatch keys that inference mode changes; this module
-checks instead what the graph was specialised on (each tensor's dtype, rank and static sizes).
+checks instead what the graph was specialised on (each tensor's dtype, static sizes, and the strides
+that come from its storage: inductor compiles strides in as constants).
 Anything that goes wrong (an unreadable file, a function the precompile API cannot save, a full
 disk) falls back to the plain ``torch.compile`` path with a warning: a cache never breaks decoding.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import sys
@@ -42,7 +44,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-Signature = tuple[tuple[torch.dtype, tuple[int | None, ...]] | None, ...]
+Dims = tuple[int | None, ...]
+Signature = tuple[tuple[torch.dtype, Dims, Dims] | None, ...]
 
 
 def _source_hash() -> str:
@@ -82,14 +85,21 @@ class PrecompileStore:
 
 
 def signature(args: tuple[Any, ...]) -> Signature:
-    """What a graph was specialised on: each tensor's dtype and sizes, None where a size is dynamic."""
-    out: list[tuple[torch.dtype, tuple[int | None, ...]] | None] = []
+    """What a graph was specialised on: each tensor's dtype, its sizes (None where dynamic), and the
+    strides that come from its storage rather than its shape (a window's, which follow the whole
+    cache's length; None for the rest, which inductor derives from the sizes)."""
+    out: list[tuple[torch.dtype, Dims, Dims] | None] = []
     for arg in args:
         if not isinstance(arg, torch.Tensor):
             out.append(None)
             continue
         dynamic: set[int] = getattr(arg, "_dynamo_dynamic_indices", set())
-        out.append((arg.dtype, tuple(None if d in dynamic else s for d, s in enumerate(arg.shape))))
+        sizes = tuple(None if d in dynamic else s for d, s in enumerate(arg.shape))
+        strides = []
+        for d, stride in enumerate(arg.stride()):
+            packed = math.prod(arg.shape[d + 1:])
+            strides.append(None if arg.shape[d] == 1 or stride == packed else stride)
+        out.append((arg.dtype, sizes, tuple(strides)))
     return tuple(out)
 
 
@@ -99,9 +109,12 @@ def _fits(sig: Signature, args: tuple[Any, ...]) -> bool:
     for want, arg in zip(sig, args, strict=True):
         if want is None:
             continue
-        if not isinstance(arg, torch.Tensor) or arg.dtype != want[0] or arg.dim() != len(want[1]):
+        dtype, sizes, strides = want
+        if not isinstance(arg, torch.Tensor) or arg.dtype != dtype or arg.dim() != len(sizes):
             return False
-        if any(s is not None and s != got for s, got in zip(want[1], arg.shape, strict=True)):
+        if any(s is not None and s != got for s, got in zip(sizes, arg.shape, strict=True)):
+            return False
+        if any(s is not None and s != got for s, got in zip(strides, arg.stride(), strict=True)):
             return False
     return True
 
@@ -188,7 +201,8 @@ class PrecompiledFunction:
 
 def _read_signature(path: Path) -> Signature:
     rows = json.loads(path.read_text())
-    return tuple(None if row is None else (getattr(torch, row[0]), tuple(row[1])) for row in rows)
+    return tuple(None if row is None else (getattr(torch, row[0]), tuple(row[1]), tuple(row[2]))
+                 for row in rows)
 
 
 def _save(compiled: Any, sig: Signature, path: Path, name: str) -> None:
@@ -197,7 +211,8 @@ def _save(compiled: Any, sig: Signature, path: Path, name: str) -> None:
     tmps: list[str] = []
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = [None if row is None else [str(row[0]).removeprefix("torch."), list(row[1])] for row in sig]
+        rows = [None if row is None else [str(row[0]).removeprefix("torch."), list(row[1]), list(row[2])]
+                for row in sig]
         for target, write in ((path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(rows))),
                               (path, compiled.save_compiled_function)):
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
