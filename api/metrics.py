@@ -135,8 +135,9 @@ class Metrics:
                      registry=r)
         batch = Gauge("elesium_engine_batch_size", "Rows of the last batched forward", registry=r)
         busy = Gauge("elesium_engine_loop_seconds", "Seconds the step loop spent on each kind of work since "
-                     "start (gather: waiting for running generations to ask for their next step)", ["kind"],
-                     registry=r)
+                     "start (gather: waiting for running generations to ask for their next step; "
+                     "batched_step: the shared forward; take_rows: its tokens handed to the generations)",
+                     ["kind"], registry=r)
         memo = Gauge("elesium_hidden_states_memo", "hidden_states questions answered from the memo (hit) or "
                      "by a forward (miss) since start", ["outcome"], registry=r)
         queries = Gauge("elesium_prefix_cache_queries", "Prompt tokens looked up in the prefix cache since "

@@ -168,6 +168,25 @@ def run_level(engine: Engine, prompts: list[str], concurrency: int, requests: in
     return wall, results
 
 
+def loop_counters(engine: Engine) -> dict[str, float]:
+    """The batcher's counters (steps, rows, seconds per kind of work): a level's difference says where the
+    step loop's time went and how full its batches were."""
+    batcher = engine.batcher
+    if batcher is None:
+        return {}
+    return {"batched_steps": batcher.batched_steps, "batched_rows": batcher.batched_rows,
+            "solo_steps": batcher.solo_steps, "ahead_rows": batcher.ahead_rows,
+            **{f"busy_{k}_s": v for k, v in batcher.busy_s.items()}}
+
+
+def loop_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    delta = {k: after[k] - before[k] for k in after}
+    if delta.get("batched_steps"):
+        delta["mean_rows"] = delta["batched_rows"] / delta["batched_steps"]
+        delta["ms_per_batched_step"] = 1e3 * delta["busy_batched_step_s"] / delta["batched_steps"]
+    return delta
+
+
 def summarize(concurrency: int, wall: float, results: list[RequestResult]) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -388,9 +407,11 @@ def main() -> int:
     levels: list[dict[str, Any]] = []
     for c in args.concurrency:
         n = args.requests_per_level if args.requests_per_level is not None else max(4, 2 * c)
+        before = loop_counters(engine)
         wall, results = run_level(engine, prompts, c, n, args.max_tokens, args.temperature, args.seed,
                                   args.mode)
         level = summarize(c, wall, results)
+        level["step_loop"] = loop_delta(before, loop_counters(engine))
         levels.append(level)
         print(f"concurrency {c}: {n} requests in {wall:.2f} s, {level['aggregate_tokens_per_s']:.1f} tok/s, "
               f"{level['errors']} errors", file=sys.stderr)

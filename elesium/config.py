@@ -85,7 +85,8 @@ class Settings:
     CPU weight formats, off for the float32 reference) runs CPU decode steps through one
     ``torch.compile``d graph (``inference/runtime/cpu_step.py``). ``max_batch`` ("auto" or a count
     from 1) is how many generations share each decoding step (``inference/batcher.py``); "auto" is
-    16 on the compiled CPU step and 1 (one at a time) elsewhere. ``prefix_cache_mb`` (a count of
+    16 on the compiled CPU step and 1 (one at a time) elsewhere; on CUDA a count turns batching on
+    (``inference/runtime/batched_cuda_step.py``). ``prefix_cache_mb`` (a count of
     MiB, 0 = off) bounds the keys and values of prompt prefixes kept for later prompts that start the
     same way (``inference/runtime/prefix_cache.py``).
     """

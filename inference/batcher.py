@@ -16,9 +16,11 @@ from its prefill to its end, and one thread, the step loop, owns the model:
    not by its whole prompt; the blocks are the prefill's own (``ForwardRunner.prefill_blocks``),
    so the bits are the same however the prompt was spread;
 3. every running vanilla generation contributes one row to **one** batched forward
-   (``runtime/batched_step.py``); a generation alone, a tree step (speculative decoding), and a
-   device chain run their own forward on their own slot, through the same graphs the one-at-a-time
-   engine always used;
+   (``runtime/batched_step.py`` on the CPU, ``runtime/batched_cuda_step.py`` on CUDA); on the CPU a
+   generation alone, a tree step (speculative decoding), and a device chain run their own forward on
+   their own slot, through the same graphs the one-at-a-time engine always used; on CUDA a generation
+   alone is a batch of one (the one-sequence graphs are bound to the engine's cache), and a tree step
+   runs eagerly on its slot;
 4. each row's logits go back to its own decoder, which picks the token exactly as it would alone.
 
 Joining and leaving happen between steps (a closed stream leaves at the next one, and its slot is
@@ -30,8 +32,8 @@ Work that needs the model but is not a generation (``Engine.hidden_states``) run
 between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 
 Not here yet (``docs/design/batched-serving.md``): prefill blocks as rows of the batched forward
-(they run as their own forward between steps), speculative trees inside the batch, deadlines, and
-CUDA (the CUDA engine keeps its captured one-sequence graphs and serves one generation at a time).
+(they run as their own forward between steps), speculative trees inside the batch (on CUDA a tree step
+on a slot runs eagerly, which is why CUDA batches only when ``max_batch`` asks for it), and deadlines.
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ from elesium.errors import UserError
 from elesium.inference.decoding.vanilla import VanillaDecoder
 from elesium.inference.runtime.batched_step import BatchedCpuStep
 from elesium.inference.runtime.cpu_step import window_for
-from elesium.inference.runtime.forward import PREFILL_CHUNK, PartialPrefill
+from elesium.inference.runtime.forward import PREFILL_CHUNK, CudaGraphRunner, PartialPrefill
 from elesium.inference.runtime.slot_pool import SlotPool
 
 if TYPE_CHECKING:
     from elesium.inference.engine import Engine
     from elesium.inference.generation_stream import _Run
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
 
 T = TypeVar("T")
 log = logging.getLogger("elesium")
@@ -68,6 +71,19 @@ PREFILL_BLOCKS = 2
 """Prompt blocks (``PREFILL_CHUNK`` tokens each) the loop prefills per iteration while generations are
 decoding: their next token waits for these, so this bounds what a newcomer costs them. When nothing
 is decoding, a prompt is prefilled whole at once."""
+CUDA_PREFILL_FACTOR = 8
+"""On CUDA a prompt block is one graph replay (~1 ms), not ~0.1 s of CPU work: eight times the blocks per
+iteration keep a newcomer's cost to the running generations about the same fraction of a step's time."""
+LOOKAHEAD = 8
+"""Tokens the CUDA loop may decode for a vanilla generation before its consumer asks for them. On a GPU a
+step of 32 rows takes ~1.3 ms, less than 32 consumer threads take to publish a token each and ask again
+under the GIL, so a loop that waited for every ask ran at the consumers' pace (~5 ms a step, BENCHMARKS
+§19). Decoding ahead is exact (the tokens are the ones the consumer would have asked for, published in
+order) and wastes at most this many tokens of a generation that a stop string or a close ends. The CPU
+loop does not: there a step costs tens of milliseconds and every row costs compute."""
+WAKE_EVERY = 4
+"""Tokens decoded ahead (``LOOKAHEAD``) that wake a waiting consumer: its stream then gets them four at a time
+(~4 steps, a few milliseconds on a GPU) instead of one thread switch per token."""
 RESERVE_AHEAD = 512
 """Positions past a generation's offset zeroed before its solo work (``SlotPool.reserve``): more than
 any prefill chunk's or tree's reach within one step."""
@@ -99,7 +115,13 @@ class Batcher:
         self.max_waiting = max_waiting
         self._compiled = compiled
         self._pool: SlotPool | None = None  # taken on first use: an idle engine reserves nothing
-        self._step: BatchedCpuStep | None = None
+        self._step: BatchedCpuStep | BatchedCudaStep | None = None
+        # On CUDA every vanilla row, a lone one too, takes the batched step: the one-sequence graphs are
+        # bound to the engine's own cache, not to pool slots. On the CPU a lone row keeps its own graph.
+        self._cuda = engine.model.device.type == "cuda"
+        self._min_rows = 1 if self._cuda else 2
+        self.lookahead = LOOKAHEAD if self._cuda else 0  # settable: tests run it on the CPU
+        self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -115,6 +137,7 @@ class Batcher:
         self._done: set[_Run] = set()
         self._partial: dict[_Run, PartialPrefill] = {}  # prompts prefilled part of the way
         self._jobs: deque[_Job] = deque()
+        self._work_slots: dict[_Run, int] = {}  # the slots of this iteration's work, read in _next
         self._thread: threading.Thread | None = None
         # Counters for metrics and tests: forwards run, and rows of the batched ones.
         self.batched_steps = 0
@@ -124,8 +147,9 @@ class Batcher:
         self.largest_batch = 0
         self.split_prefills = 0  # prompts whose prefill was spread over more than one iteration
         # Seconds the loop spent on each kind of work since it was built (metrics: where serving time goes).
+        # "batched_step" is the forward and "take_rows" the rows' tokens handed to their generations.
         self.busy_s: dict[str, float] = {"jobs": 0.0, "prefill": 0.0, "solo_step": 0.0, "batched_step": 0.0,
-                                         "gather": 0.0}
+                                         "take_rows": 0.0, "gather": 0.0}
 
     # -- what the engine and its streams call ------------------------------------------------------
     @property
@@ -150,10 +174,22 @@ class Batcher:
             if self._step is not None:
                 return
             started = time.perf_counter()
-            step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled,
-                                  precompile=self.engine.precompile)
-            scratch = self.slots  # never handed to a generation
-            step.decode([0, 0], [0, 1], [scratch, scratch])
+            step: BatchedCpuStep | BatchedCudaStep
+            if self._cuda:
+                # Imported here: it imports Triton, which a CPU process never needs (and the kernel tests
+                # must be able to switch to Triton's interpreter before anything imports it).
+                from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
+
+                runner = self.engine.runner
+                buckets = runner.buckets if isinstance(runner, CudaGraphRunner) else ()
+                step = BatchedCudaStep(self.engine.model, self.pool, self.slots, graphs=self._compiled,
+                                       node_buckets=buckets)
+                step.warm_up()
+            else:
+                step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled,
+                                      precompile=self.engine.precompile)
+                scratch = self.slots  # never handed to a generation
+                step.decode([0, 0], [0, 1], [scratch, scratch])
             self._step = step  # set last: a step that sees it may use the compiled graph
             log.info("batched step ready in %.1f s", time.perf_counter() - started)
 
@@ -186,6 +222,8 @@ class Batcher:
         Returns False, without doing it, when the run was cancelled before the loop took it.
         """
         with self._lock:
+            if run._produced or run._error is not None:  # decoded ahead (LOOKAHEAD): nothing to wait for
+                return True
             self._start_thread()
             self._wanted[run] = None
             self._cond.notify()
@@ -214,6 +252,12 @@ class Batcher:
             self._partial.pop(run, None)
             self._cond.notify()
             self._wake_run(run)
+
+    def drained(self) -> None:
+        """A consumer took what was decoded ahead for it: the loop may decode ahead again."""
+        if self.lookahead:
+            with self._lock:
+                self._cond.notify()
 
     def wake(self) -> None:
         """Make waiting consumers re-check their cancellation."""
@@ -279,6 +323,8 @@ class Batcher:
                         self._taken.discard(run)
                         if run in deferred:  # prefilled part of the way: still asking
                             continue
+                        if run in self._wanted and self._wakes_later(run):
+                            continue
                         if run in self._wanted:  # else released meanwhile (a finaliser): nobody waits
                             del self._wanted[run]
                             self._done.add(run)
@@ -293,7 +339,7 @@ class Batcher:
         """
         with self._cond:
             idle_since = time.monotonic()
-            while not self._wanted and not self._jobs:
+            while not self._wanted and not self._jobs and not self._any_ahead():
                 left = IDLE_EXIT_S - (time.monotonic() - idle_since)
                 if left <= 0:
                     self._thread = None
@@ -301,7 +347,8 @@ class Batcher:
                 self._cond.wait(left)
             gather_from = time.monotonic()
             deadline = gather_from + GATHER_S
-            while not self._jobs and any(r not in self._wanted for r in list(self._slot)):
+            while not self._jobs and any(r not in self._wanted and not self._ahead_capable(r)
+                                         for r in list(self._slot)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -311,8 +358,42 @@ class Batcher:
             self._jobs.clear()
             self._admit()
             work.extend(r for r in list(self._wanted) if r in self._slot)
+            ahead = [r for r in list(self._slot) if r not in self._wanted and self._runs_ahead(r)]
+            self.ahead_rows += len(ahead)
+            work.extend(ahead)
             self._taken.update(work)
+            # Read under the lock: a run decoded ahead may be closed (and its slot freed) while the step
+            # runs; its slot is handed out again only by the next iteration's admission.
+            self._work_slots = {r: self._slot[r] for r in work}
             return True
+
+    def _ahead_capable(self, run: _Run) -> bool:
+        """Whether ``run`` is a generation the loop decodes ahead of its consumer (see ``LOOKAHEAD``)."""
+        if not self.lookahead or run.state != "running" or run._cancel or run._error is not None:
+            return False
+        decoder = run._decoder
+        return isinstance(decoder, VanillaDecoder) and decoder.grammar is None and _batchable(run)
+
+    def _runs_ahead(self, run: _Run) -> bool:
+        """Whether the loop decodes ``run``'s next token now, unasked: it is capable, its consumer is fewer
+        than ``LOOKAHEAD`` tokens behind, and the token can still be part of its output (no end of
+        sequence yet, ``max_tokens`` not reached; a stop string is found only as the consumer publishes)."""
+        decoder = run._decoder  # read once: a close on another thread sets it to None
+        if (not isinstance(decoder, VanillaDecoder) or not self._ahead_capable(run) or run._finish is not None
+                or len(run._produced) >= self.lookahead):
+            return False
+        eos = run.engine.tokenizer.eos_ids
+        return 1 + decoder.steps < run.params.max_tokens and decoder.pending not in eos
+
+    def _wakes_later(self, run: _Run) -> bool:
+        """Whether ``run``'s waiting consumer is left asleep until more tokens are ready: a run decoded ahead
+        wakes its consumer every ``WAKE_EVERY`` tokens (or at its end), not every step, because each
+        wake-up is a thread switch under the GIL, which on CUDA costs more than the step's work for
+        the token (BENCHMARKS §19)."""
+        return len(run._produced) < WAKE_EVERY and self._runs_ahead(run)
+
+    def _any_ahead(self) -> bool:
+        return bool(self.lookahead) and any(self._runs_ahead(r) for r in list(self._slot))
 
     def _admit(self) -> None:
         """Give free slots to new generations, fairly between tenants (called under the lock).
@@ -342,26 +423,29 @@ class Batcher:
     def _execute(self, work: list[_Run]) -> set[_Run]:
         """Run this iteration's work; return the new generations whose prefill is only partly done."""
         rows = [r for r in work if r.state == "running" and _batchable(r)]
-        if len(rows) < 2:
+        if len(rows) < self._min_rows:
             rows = []
-        elif self._step is None:
+        if self._step is None and (rows or self._cuda):  # on CUDA prefills and tree steps use its graphs too
             log.warning("compiling the batched step on the step loop: %d generations wait for it "
                         "(warm the engine up at start: Engine.warm_up)", len(work))
             self.warm_up()
         engine, pool = self.engine, self.pool
         runner = engine.runner
         # While anything decodes, newcomers' prompts share a budget of blocks per iteration.
-        budget = PREFILL_BLOCKS if any(r.state == "running" for r in list(self._slot)) else None
+        budget = (PREFILL_BLOCKS * (CUDA_PREFILL_FACTOR if self._cuda else 1)
+                  if any(r.state == "running" for r in list(self._slot)) else None)
         deferred: set[_Run] = set()
         for run in work:
             if rows and run in rows:
                 continue
-            slot = self._slot[run]
+            slot = self._work_slots[run]
             kind = "prefill" if run.state == "new" else "solo_step"
             offset = run._decoder.offset if run._decoder is not None else len(run.prompt_ids)
             started = time.perf_counter()
             pool.reserve(slot, window_for(offset + RESERVE_AHEAD, pool.max_len))
             runner.cache = pool.cache(slot)
+            if isinstance(runner, CudaGraphRunner) and self._cuda and self._step is not None:
+                runner.slot_step = (self._step, slot)  # type: ignore[assignment]
             try:
                 if kind == "prefill":
                     resumed = run in self._partial
@@ -387,6 +471,8 @@ class Batcher:
                 deferred.discard(run)
             finally:
                 runner.cache = engine.cache
+                if isinstance(runner, CudaGraphRunner):
+                    runner.slot_step = None
                 runner.partial = None
                 if run not in deferred:
                     self._partial.pop(run, None)
@@ -395,23 +481,30 @@ class Batcher:
         if not rows:
             return deferred
         assert self._step is not None
-        decoders = [r._decoder for r in rows]
-        assert all(isinstance(d, VanillaDecoder) for d in decoders)
+        # Each decoder read once: one decoded ahead may be closed on its consumer's thread meanwhile.
+        held = [(r, r._decoder) for r in rows]
+        batch = [(r, d) for r, d in held if isinstance(d, VanillaDecoder)]
+        if len(batch) < self._min_rows:  # the rest were closed meanwhile; a consumer left asks again
+            return deferred
+        rows = [r for r, _ in batch]
+        decoders = [d for _, d in batch]
         start = time.perf_counter()
-        logits, greedy = self._step.decode([d.pending for d in decoders],  # type: ignore[union-attr]
-                                           [d.offset for d in decoders],  # type: ignore[union-attr]
-                                           [self._slot[r] for r in rows])
+        logits, greedy = self._step.decode([d.pending for d in decoders], [d.offset for d in decoders],
+                                           [self._work_slots[r] for r in rows])
         self.batched_steps += 1
         self.batched_rows += len(rows)
         self.last_batch = len(rows)
         self.largest_batch = max(self.largest_batch, len(rows))
+        picks = greedy if isinstance(greedy, list) else greedy.tolist()  # one read-back, not one per row
+        taking = time.perf_counter()
+        self.busy_s["batched_step"] += taking - start
         with torch.inference_mode():
             for b, run in enumerate(rows):
                 try:
-                    run._take_row(logits[b], int(greedy[b]), start)
+                    run._take_row(logits[b], picks[b], start)
                 except BaseException as exc:
                     run._error = exc
-        self.busy_s["batched_step"] += time.perf_counter() - start
+        self.busy_s["take_rows"] += time.perf_counter() - taking
         return deferred
 
 

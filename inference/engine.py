@@ -118,9 +118,14 @@ to its rows on 2 cores, so a larger batch only adds latency (docs/design/batched
 def resolve_max_batch(setting: int | str, runner: ForwardRunner) -> int:
     """How many generations share a step: ``max_batch`` where the runner can batch, else 1.
 
-    Only the compiled CPU step has a batched twin that is bit for bit the one-sequence step; the eager
-    CPU path (SDPA) and the CUDA graphs run one generation at a time.
+    Two runners have a batched twin that is bit for bit their one-sequence step: the compiled CPU step
+    (on by default) and, under invariant numerics, the CUDA graphs (``runtime/batched_cuda_step.py``).
+    CUDA batches only when asked: a speculative generation there runs its tree steps eagerly on its
+    pool slot, which costs the one-stream speed of the captured tree graphs, so a single-user engine
+    keeps them. The eager CPU path (SDPA) runs one generation at a time.
     """
+    if isinstance(runner, CudaGraphRunner):
+        return 1 if setting == "auto" or not runner.model.fused_pointwise else int(setting)
     if not isinstance(runner, CompiledCpuRunner) or not runner.compiled:
         return 1
     return DEFAULT_CPU_BATCH if setting == "auto" else int(setting)

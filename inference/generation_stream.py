@@ -77,9 +77,12 @@ class _Run:
         self._text = TextStream(engine.tokenizer, params.stop)
         self._steps: list[StepRecord] = []
         self._finish: FinishReason | None = None
-        # What the last prefill or step produced (tokens, its record or None for the prefill, when),
-        # and an error raised doing it on the batcher's thread, for this stream's consumer to raise.
-        self._produced: tuple[list[int], StepRecord | None, float] | None = None
+        # What the prefill and the steps produced and the consumer has not published yet (tokens, the
+        # step's record or None for the prefill, when), oldest first: one entry, or several where the
+        # batcher decodes ahead of a slow consumer (``Batcher.LOOKAHEAD``). Appended on the thread
+        # driving the model, taken on the consumer's. And an error raised doing it on the batcher's
+        # thread, for this stream's consumer to raise.
+        self._produced: deque[tuple[list[int], StepRecord | None, float]] = deque()
         self._error: BaseException | None = None
         self._start = 0.0
         # Serving latency, handed to the engine's observers when the run ends (Engine.add_observer).
@@ -146,6 +149,9 @@ class _Run:
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
+            self._publish()
+            batcher.drained()
+            return
         else:
             if self.state == "new" and not engine._gate.acquire(self, cancelled=lambda: self._cancel):
                 self._end("closed")
@@ -168,30 +174,30 @@ class _Run:
                 self._decoder = engine.make_decoder(self.mode, self.params, Sampler(self.seed), **kwargs)
                 first = self._decoder.prefill(self.prompt_ids)
             self.timing.first_token_at = time.perf_counter()
-            self._produced = ([first], None, 0.0)
+            self._produced.append(([first], None, 0.0))
             return
         assert self._decoder is not None
         room = engine.context_length - self._decoder.offset
         if room < 1:
             self._finish = "length"
-            self._produced = None
             return
         with torch.inference_mode():
             tokens, record = self._decoder.step(room)
-        self._produced = (tokens, record, time.perf_counter())
+        self._produced.append((tokens, record, time.perf_counter()))
 
     def _take_row(self, logits: torch.Tensor, greedy: int, start: float) -> None:
         """Finish a step that ran as one row of the batcher's shared forward."""
         decoder = self._decoder
+        if decoder is None:  # closed from another thread while its row was in the forward
+            return
         assert isinstance(decoder, VanillaDecoder)
         tokens, record = decoder.take(logits, greedy, start)
-        self._produced = (tokens, record, time.perf_counter())
+        self._produced.append((tokens, record, time.perf_counter()))
 
     def _publish(self) -> None:
-        """Apply the outcome of ``_work``: stop conditions, chunks, ``on_step``, the result at the end."""
-        produced, self._produced = self._produced, None
-        if produced is not None:
-            tokens, record, stepped_at = produced
+        """Apply what ``_work`` produced: stop conditions, chunks, ``on_step``, the result at the end."""
+        while self._produced and self._finish is None:
+            tokens, record, stepped_at = self._produced.popleft()
             if record is None:  # the prefill's first token
                 kept, out = self._commit(tokens)
                 if kept:

@@ -26,12 +26,17 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["offset_val", "n_tokens"])
-def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, offset_ptr, offset_val, n_tokens,
-                     stride_xb, stride_xn, stride_qb, stride_qh, stride_qn,
+def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, offset_ptr, offset_val, slots_ptr,
+                     n_tokens, stride_xb, stride_xn, stride_qb, stride_qh, stride_qn,
                      stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                      HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     OFFSET_FROM_PTR: tl.constexpr):
-    """Grid ``(B * N, HQ + 2 * HKV)``: one token's one head."""
+                     OFFSET_FROM_PTR: tl.constexpr, ROW_SLOTS: tl.constexpr):
+    """Grid ``(B * N, HQ + 2 * HKV)``: one token's one head.
+
+    ``ROW_SLOTS``: row ``b`` writes cache row ``slots[b]`` from its own offset ``offset_ptr[b]`` (many
+    sequences of a slot pool, one launch); otherwise row ``b`` writes cache row ``b`` from one offset.
+    Only addresses differ between the two: the rotation's arithmetic is the same.
+    """
     row = tl.program_id(0)
     head = tl.program_id(1)
     b = row // n_tokens
@@ -41,7 +46,11 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, offset_ptr,
     src = qkv_ptr + b * stride_xb + n * stride_xn + head * HEAD_DIM
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
-    if OFFSET_FROM_PTR:
+    cache_b = b
+    if ROW_SLOTS:
+        cache_b = tl.load(slots_ptr + b).to(tl.int64)
+        slot = tl.load(offset_ptr + b).to(tl.int64) + n
+    elif OFFSET_FROM_PTR:
         slot = tl.load(offset_ptr).to(tl.int64) + n
     else:
         slot = offset_val + n
@@ -57,11 +66,11 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, offset_ptr,
         if head < HQ:
             dst = q_ptr + b * stride_qb + head * stride_qh + n * stride_qn
         else:
-            dst = k_ptr + b * stride_kb + (head - HQ) * stride_kh + slot * stride_ks
+            dst = k_ptr + cache_b * stride_kb + (head - HQ) * stride_kh + slot * stride_ks
         tl.store(dst + offs, lo.to(q_ptr.dtype.element_ty))
         tl.store(dst + HALF + offs, hi.to(q_ptr.dtype.element_ty))
     else:
-        dst = v_ptr + b * stride_vb + (head - HQ - HKV) * stride_vh + slot * stride_vs
+        dst = v_ptr + cache_b * stride_vb + (head - HQ - HKV) * stride_vh + slot * stride_vs
         tl.store(dst + offs, x1.to(v_ptr.dtype.element_ty))
         tl.store(dst + HALF + offs, x2.to(v_ptr.dtype.element_ty))
 
@@ -96,12 +105,62 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
         offset_ptr, offset_val, from_ptr = cos, int(offset), False
     if b * n:
         _rope_qkv_kernel[(b * n, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, q, k_cache, v_cache, offset_ptr, offset_val, n,
+            qkv, cos, sin, q, k_cache, v_cache, offset_ptr, offset_val, offset_ptr, n,
             qkv.stride(0), qkv.stride(1), q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=d, OFFSET_FROM_PTR=from_ptr, num_warps=1)
+            HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=d, OFFSET_FROM_PTR=from_ptr, ROW_SLOTS=False,
+            num_warps=1)
     return q
+
+
+def rope_qkv_to_slots(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, num_heads: int,
+                      num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rope_qkv_to_cache`` for rows of different sequences: row ``b``'s keys and values go to pool row
+    ``slots[b]`` at positions ``offsets[b] + i``; the queries come back as ``[B, Hq, N, D]``.
+
+    ``k_pool``/``v_pool``: ``[S, Hkv, capacity, D]`` (one layer of a slot pool); ``slots`` and
+    ``offsets``: ``[B]`` int32/int64 device tensors (nothing is read back, so a call can be captured
+    in a CUDA graph). A row's queries and cache entries are bit for bit what ``rope_qkv_to_cache``
+    gives that row alone in a cache of its own.
+    """
+    b, n, width = qkv.shape
+    d = k_pool.shape[-1]
+    if width != (num_heads + 2 * num_kv_heads) * d or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x {num_kv_heads} heads "
+                         f"of {d}")
+    if slots.shape != (b,) or offsets.shape != (b,):
+        raise ValueError(f"slots {tuple(slots.shape)} and offsets {tuple(offsets.shape)} must both be [{b}]")
+    cos = cos.reshape(b, n, d).float().contiguous()
+    sin = sin.reshape(b, n, d).float().contiguous()
+    if q_out is None:
+        q = torch.empty((b, num_heads, n, d), dtype=qkv.dtype, device=qkv.device)
+    elif q_out.shape != (b, num_heads, n, d) or q_out.stride(-1) != 1 or q_out.dtype != k_pool.dtype:
+        raise ValueError(f"q_out {tuple(q_out.shape)} {q_out.dtype} is not a [B, Hq, N, D] view with unit "
+                         f"last stride in the pool's dtype {k_pool.dtype}")
+    else:
+        q = q_out
+    if b * n:
+        _rope_qkv_kernel[(b * n, num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, q, k_pool, v_pool, offsets, 0, slots, n,
+            qkv.stride(0), qkv.stride(1), q.stride(0), q.stride(1), q.stride(2),
+            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+            HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=d, OFFSET_FROM_PTR=True, ROW_SLOTS=True, num_warps=1)
+    return q
+
+
+def rope_qkv_to_slots_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                                offsets: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """The definition: each row through ``rope_qkv_to_cache_reference`` on its own pool row."""
+    qs = []
+    for b in range(qkv.shape[0]):
+        s = int(slots[b])
+        qs.append(rope_qkv_to_cache_reference(qkv[b:b + 1], cos[b:b + 1], sin[b:b + 1], k_pool[s:s + 1],
+                                              v_pool[s:s + 1], int(offsets[b]), num_heads, num_kv_heads))
+    return torch.cat(qs)
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -454,3 +454,61 @@ def test_the_tenant_reaches_the_generation(engine):
     with stream:
         assert stream._run.tenant == "acme"
         assert [c for c in stream]
+
+
+def test_decoding_ahead_of_slow_consumers_keeps_their_output(batched, mt_bench_prompts):
+    """With ``lookahead`` on (CUDA's default, here on the CPU step) the loop decodes rows before their slow
+    consumers ask: each generation still gets its solo tokens and step records, greedy and seeded, a stop
+    string ends the output where it ends alone, a stream closed half-way frees its slot, and the rows
+    decoded ahead are counted."""
+    engine, batcher = batched, batched.batcher
+    prompts = mt_bench_prompts[40:44]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    sampled = SamplingParams(max_tokens=24, temperature=0.7, top_p=0.95, seed=11)
+    engine.batcher = None
+    try:
+        plain = engine.generate(prompts[2], greedy, mode="vanilla")
+        stop_text = next(t for t in (engine.tokenizer.decode(list(plain.token_ids[i:i + 2]))
+                                     for i in range(6, 20)) if t.strip())
+        stopping = SamplingParams(max_tokens=24, temperature=0.0, stop=(stop_text,))
+        cases = [greedy, sampled, stopping, greedy]
+        solo = [engine.generate(p, q, mode="vanilla") for p, q in zip(prompts, cases, strict=True)]
+    finally:
+        engine.batcher = batcher
+    assert solo[2].finish_reason == "stop"
+    ahead_before = batcher.ahead_rows
+    batcher.lookahead = 8
+    got: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            with engine.stream(prompts[i], cases[i], mode="vanilla") as stream:
+                for n, _ in enumerate(stream):
+                    time.sleep(0.05)  # slower than a step: the loop runs ahead
+                    if i == 3 and n == 4:
+                        stream.close()
+                got[i] = stream.result if i != 3 else stream.state
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        batcher.lookahead = 0
+    assert not errors, errors
+    assert batcher.ahead_rows > ahead_before, "nothing was decoded ahead"
+    for i in range(3):
+        result = got[i]
+        assert result.token_ids == solo[i].token_ids, i  # type: ignore[attr-defined]
+        assert result.text == solo[i].text and result.finish_reason == solo[i].finish_reason, i  # type: ignore[attr-defined]
+        assert [s.tokens for s in result.steps] == [s.tokens for s in solo[i].steps], i  # type: ignore[attr-defined]
+    assert got[3] == "closed"
+    deadline = time.monotonic() + 30
+    while batcher.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher.running == 0 and batcher.waiting == 0

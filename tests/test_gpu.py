@@ -610,3 +610,79 @@ def test_drafter_tree_chain_equals_host_steps_and_vanilla(tmp_path, mt_bench_pro
     print(f"drafter tree: tau chained {[round(c.mean_accepted, 2) for c in chained]}, "
           f"host {[round(h.mean_accepted, 2) for h in host]}; host steps accepting > 2 drafts: {deep}")
     assert deep > 0, "no step accepted past level 2: the deeper levels would be untested"
+
+
+def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
+    """Batched serving on CUDA (``runtime/batched_cuda_step.py``, ``max_batch`` 16): 12 prompts of mixed
+    lengths, vanilla greedy, vanilla seeded T = 0.7 and speculative greedy, each joining a few steps
+    after the one before, get exactly the tokens the engine gives each alone on its own cache through
+    the one-sequence graphs (decode chains, tree chains); the batched step's rows equal the
+    one-sequence step's logits bitwise; and the step did batch."""
+    import threading
+    import time
+
+    from elesium.config import Settings
+    from elesium.inference.engine import Engine
+
+    settings = Settings.from_env().with_overrides(invariant_numerics="on", max_batch="16")
+    engine = Engine.load(device="cuda", dtype="bfloat16", settings=settings)
+    batcher = engine.batcher
+    assert batcher is not None and batcher.slots == 16
+    cases = [("vanilla", SamplingParams(max_tokens=48)),
+             ("vanilla", SamplingParams(max_tokens=48, temperature=0.7, top_p=0.95, seed=7)),
+             ("speculative", SamplingParams(max_tokens=48))]
+    prompts = [p[: 40 + 61 * (i % 7)] for i, p in enumerate(mt_bench_prompts[:12])]
+
+    def case(i: int) -> tuple[str, SamplingParams]:
+        mode, params = cases[i % len(cases)]
+        return mode, dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, case(i)[1], mode=case(i)[0]).token_ids for i, p in enumerate(prompts)]
+    finally:
+        engine.batcher = batcher
+    batcher.warm_up()
+    got: dict[int, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+    base = batcher.batched_steps + batcher.solo_steps
+
+    def run(i: int) -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while batcher.batched_steps + batcher.solo_steps < base + 2 * i and time.monotonic() < deadline:
+                time.sleep(0.001)
+            mode, params = case(i)
+            got[i] = engine.generate(prompts[i], params, mode=mode).token_ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert batcher.largest_batch >= 4, f"they did not batch (largest batch {batcher.largest_batch})"
+    for i in range(len(prompts)):
+        assert got[i] == solo[i], (i, case(i), _diverge(got[i], solo[i]))
+    # Row level: the bucket-4 graph's rows against the one-sequence graph on the engine's own cache.
+    ids = [engine.encode_prompt(p)[:30 + 45 * i] for i, p in enumerate(mt_bench_prompts[:3])]
+    runner, pool = engine.runner, batcher.pool
+    solo_logits = []
+    with torch.inference_mode():
+        for i, slot in enumerate((2, 0, 5)):
+            runner.prefill(ids[i])  # the engine's own cache, through the captured graphs
+            solo_logits.append(runner.decode([ids[i][-1]], [len(ids[i])], len(ids[i])).logits[0].clone())
+            pool.reserve(slot, pool.max_len)
+            runner.cache = pool.cache(slot)
+            try:
+                runner.prefill(ids[i])
+            finally:
+                runner.cache = engine.cache
+    step = batcher._step
+    assert step is not None
+    logits, picks = step.decode([x[-1] for x in ids], [len(x) for x in ids], [2, 0, 5])
+    for row in range(3):
+        assert torch.equal(logits[row], solo_logits[row]), row
+        assert picks[row] == int(solo_logits[row].argmax())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -21,6 +21,9 @@ from elesium.inference.runtime.model import KVCache, Transformer
 from elesium.inference.runtime.prefix_cache import PrefixCache
 from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.inference.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
 
 PREFILL_CHUNK = 64
 """Eager prefill block (tokens): blocks are counted from position 0, so a block's keys depend only on
@@ -232,6 +235,13 @@ class CudaGraphRunner(ForwardRunner):
     def __init__(self, model: Transformer, cache: KVCache, heads: StepDrafter | None = None,
                  buckets: tuple[int, ...] = TREE_BUCKETS) -> None:
         super().__init__(model, cache, heads)
+        # The cache every graph is captured on. The batcher points ``cache`` at a pool slot for a
+        # generation's solo work; the graphs would still write the captured cache, so such work runs
+        # eagerly (``_on_own_cache``), with the same bits under invariant numerics.
+        self._graph_cache = cache
+        # Set by the batcher with the cache: the pool's graphs and the slot, which then run this
+        # runner's steps on that slot (``BatchedCudaStep.nodes``) instead of eager launches.
+        self.slot_step: tuple[BatchedCudaStep, int] | None = None
         self.buckets = tuple(sorted(set(buckets)))
         # One graph per (bucket, with drafts): vanilla steps must not pay for the heads.
         self._graphs: dict[tuple[int, bool],
@@ -257,8 +267,12 @@ class CudaGraphRunner(ForwardRunner):
         self.draft_topk_chunk = DRAFT_TOPK_CHUNK if HAS_TOPK_KERNEL else None
 
     @property
+    def _on_own_cache(self) -> bool:
+        return self.cache is self._graph_cache
+
+    @property
     def capture(self) -> Capture | None:
-        return self._record
+        return self._record if self._on_own_cache else None
 
     def decode_chain(self, token: int, offset: int, params: SamplingParams,
                      draw: Callable[[], torch.Tensor] | None) -> DecodeChain | None:
@@ -273,7 +287,7 @@ class CudaGraphRunner(ForwardRunner):
         """
         limit = self.cache.max_len
         key = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
-        if not self.chains or offset + 2 > limit or (
+        if not self.chains or not self._on_own_cache or offset + 2 > limit or (
                 key not in self._chains and len(self._chains) >= MAX_CHAIN_GRAPHS):
             return None
         if self._chain_io is None:
@@ -379,8 +393,11 @@ class CudaGraphRunner(ForwardRunner):
         on an H200 costs more than the work (and every generation pays it before its first token).
 
         Same function as the eager prefill, and under invariant numerics the same bits: a row's result
-        depends neither on how many rows the forward holds nor on the offset being a tensor.
+        depends neither on how many rows the forward holds nor on the offset being a tensor. A prompt
+        the batcher has prefilled part of the way (``partial``) is finished in its blocks instead.
         """
+        if start == 0 and self.partial is not None and self.partial.ids == prompt_ids:
+            return super().prefill(prompt_ids)
         chunk = self.buckets[-1]
         outs = []
         for lo in range(0, len(prompt_ids), chunk):
@@ -390,13 +407,20 @@ class CudaGraphRunner(ForwardRunner):
             outs.append(out.hidden.clone())  # a view into the bucket's static output until cloned
         return torch.cat(outs)
 
+    def _prefill_block(self, tokens: list[int], at: int) -> torch.Tensor:
+        """A block of the batcher's spread prefill (``prefill_blocks``): a graph replay, as ``prefill``'s."""
+        return self.decode(tokens, list(range(at, at + len(tokens))), at).hidden.clone()
+
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], offset: int,
                ancestors: torch.Tensor | None = None, *, drafts: bool = False) -> StepOutputs:
         n = len(tokens)
         drafts = drafts and self.fuses_drafts
+        if not self._on_own_cache and self.slot_step is not None and not drafts:
+            step, slot = self.slot_step
+            return step.nodes(tokens, positions, offset, ancestors, slot)
         bucket = next((b for b in self.buckets if b >= n), None)
-        if bucket is None or offset + bucket > self.cache.max_len:
+        if bucket is None or offset + bucket > self.cache.max_len or not self._on_own_cache:
             return self.step_outputs(*self._device_inputs(tokens, positions, ancestors), offset,
                                      with_drafts=drafts)
         key = (bucket, drafts)

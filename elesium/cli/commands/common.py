@@ -72,7 +72,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "else auto: on for gguf-blocks and bfloat16, off for the float32 reference)")
     group.add_argument("--max-batch", default=None, metavar="N",
                        help="generations that share each decoding step (default: "
-                       f"{_env('max_batch')}, else auto: 16 on the compiled CPU step, 1 elsewhere)")
+                       f"{_env('max_batch')}, else auto: 16 on the compiled CPU step, 1 elsewhere; "
+                       "on CUDA a count turns batching on)")
     group.add_argument("--prefix-cache-mb", default=None, metavar="MIB",
                        help="memory for prompt prefixes reused by later prompts that start the same way, "
                        f"0 = off (default: {_env('prefix_cache_mb')}, else 256)")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# 2026-12-06: batched serving on CUDA (inference/runtime/batched_cuda_step.py). STAGE=3 runs, with the model
+# (device_model_parts.sh: three calls):
+#   1. pytest -m gpu tests/test_gpu.py -k "batched_cuda" (the batched rows bitwise equal to the one-sequence
+#      graphs, 12 staggered generations get their solo tokens) and, with FULL_GPU_TESTS=1, the whole file;
+#   2. benchmarks/gpu/batched_step_device.py: the step's cost per batch size beside the one-sequence graphs;
+#   3. (WHAT=serving or all) benchmarks/serving.py at concurrency 1..64 with max_batch 64, vanilla, 128 tokens, MT-Bench prompts,
+#      then the same with max_batch 1 (one generation at a time on the captured graphs) at concurrency 1.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/device_model_parts.sh"
+[ "$STAGE" = 3 ] || exit 0
+export ELESIUM_INVARIANT_NUMERICS=on ELESIUM_CACHE_DIR=/root/cache
+run_logged() {  # log name, timeout, command...
+  local log=$1 limit=$2; shift 2
+  { header; echo "command: $*"; } >"$OUT/$log"
+  timeout "$limit" "$@" >>"$OUT/$log" 2>&1
+  echo "exit $?" >>"$OUT/$log"
+  tail -4 "$OUT/$log"
+}
+WHAT=${WHAT:-all}  # tests | serving | all: a call may run at most 10 minutes, so the two can be split
+k=batched_cuda; [ "${FULL_GPU_TESTS:-0}" = 1 ] && k=""
+if [ "$WHAT" != serving ]; then
+run_logged pytest_gpu_batched.log "${PYTEST_S:-300}" python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s \
+  -p no:cacheprovider ${k:+-k "$k"}
+run_logged batched_step.log 180 python3 -P benchmarks/gpu/batched_step_device.py "$OUT/batched_step.json"
+fi
+[ "$WHAT" = tests ] && exit 0
+run_logged serving_batched.log "${SERVING_S:-300}" env ELESIUM_MAX_BATCH=64 python3 -P benchmarks/serving.py \
+  --device cuda --mode vanilla --concurrency "${LEVELS:-1,2,4,8,16,32,64}" --max-tokens 128 --prompts "$P" \
+  --out "$OUT/serving_cuda_max_batch_64.json"
+run_logged serving_solo.log 120 env ELESIUM_MAX_BATCH=1 python3 -P benchmarks/serving.py --device cuda \
+  --mode vanilla --concurrency 1 --max-tokens 128 --prompts "$P" --out "$OUT/serving_cuda_max_batch_1.json"
