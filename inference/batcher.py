@@ -43,7 +43,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -122,6 +122,7 @@ class Batcher:
         self._min_rows = 1 if self._cuda else 2
         self.lookahead = LOOKAHEAD if self._cuda else 0  # settable: tests run it on the CPU
         self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
+        self.prefill_rows = 0  # prompt blocks prefilled as rows of a shared forward (CUDA)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -183,7 +184,7 @@ class Batcher:
                 runner = self.engine.runner
                 buckets = runner.buckets if isinstance(runner, CudaGraphRunner) else ()
                 step = BatchedCudaStep(self.engine.model, self.pool, self.slots, graphs=self._compiled,
-                                       node_buckets=buckets)
+                                       node_buckets=buckets, block=PREFILL_CHUNK)
                 step.warm_up()
             else:
                 step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled,
@@ -367,6 +368,35 @@ class Batcher:
             self._work_slots = {r: self._slot[r] for r in work}
             return True
 
+    def _prefill_together(self, new: list[_Run], budget: int | None) -> tuple[int | None, set[_Run]]:
+        """CUDA: the newcomers' next prompt blocks as rows of one forward (``BatchedCudaStep.prefill``),
+        round after round while ``budget`` (blocks; None: no limit) lasts. Their decoders' ``prefill``
+        then finds the blocks done (``ForwardRunner.partial``). Returns the budget left and the runs whose
+        prefill started in this call."""
+        step = cast("BatchedCudaStep", self._step)
+        started = time.perf_counter()
+        fresh = {r for r in new if r not in self._partial}
+        partials = [(r, self._partial.setdefault(r, PartialPrefill(list(r.prompt_ids)))) for r in new]
+        for run, _ in partials:
+            if run.timing.gate_at is None:
+                run.timing.gate_at = started  # its prefill starts now, whatever its pieces
+        chunk, most = step.block, step.max_prefill_blocks
+        while budget is None or budget > 0:
+            ready = [(r, p) for r, p in partials if p.left > 0 and step.fits_prefill(p.done)]
+            group = ready[:most if budget is None else min(budget, most)]
+            if not group:
+                break
+            hidden = step.prefill([(self._work_slots[r], p.ids[p.done:p.done + chunk], p.done)
+                                   for r, p in group])
+            for (_, partial), h in zip(group, hidden, strict=True):
+                partial.parts.append(h)
+                partial.done += h.shape[0]
+            self.prefill_rows += len(group)
+            if budget is not None:
+                budget -= len(group)
+        self.busy_s["prefill"] += time.perf_counter() - started
+        return budget, fresh
+
     def _ahead_capable(self, run: _Run) -> bool:
         """Whether ``run`` is a generation the loop decodes ahead of its consumer (see ``LOOKAHEAD``)."""
         if not self.lookahead or run.state != "running" or run._cancel or run._error is not None:
@@ -435,6 +465,9 @@ class Batcher:
         budget = (PREFILL_BLOCKS * (CUDA_PREFILL_FACTOR if self._cuda else 1)
                   if any(r.state == "running" for r in list(self._slot)) else None)
         deferred: set[_Run] = set()
+        fresh: set[_Run] = set()
+        if self._cuda and self._step is not None:
+            budget, fresh = self._prefill_together([r for r in work if r.state == "new"], budget)
         for run in work:
             if rows and run in rows:
                 continue
@@ -448,7 +481,7 @@ class Batcher:
                 runner.slot_step = (self._step, slot)  # type: ignore[assignment]
             try:
                 if kind == "prefill":
-                    resumed = run in self._partial
+                    resumed = run in self._partial and run not in fresh
                     partial = self._partial.setdefault(run, PartialPrefill(list(run.prompt_ids)))
                     if run.timing.gate_at is None:
                         run.timing.gate_at = started  # its prefill starts now, whatever its pieces

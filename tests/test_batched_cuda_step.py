@@ -183,3 +183,39 @@ def test_slot_steps_are_the_one_sequence_steps() -> None:
     assert torch.equal(pool.k[2, :, :, :, 30:], before_k[2, :, :, :, 30:])
     for other in (0, 1, 3):
         assert torch.equal(pool.k[other], before_k[other])
+
+
+def test_prefill_rows_are_each_prompts_own_blocks() -> None:
+    """``BatchedCudaStep.prefill`` (eager on the CPU): three prompts' blocks in one forward (a full block
+    from 0, a short first block, and a second block after 64 positions) give each prompt's one-sequence
+    prefill hidden states and cache entries; bad blocks are refused."""
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
+    from elesium.inference.runtime.fused import fused_forward
+    from elesium.inference.runtime.slot_pool import SlotPool
+
+    model = _model(torch.float32)
+    c = model.config
+    g = torch.Generator().manual_seed(9)
+    pool = SlotPool(c, 4, 192, torch.device("cpu"), torch.float32)
+    step = BatchedCudaStep(model, pool, rows=2, graphs=False, block=64)
+    prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (64, 23, 100)]
+    slots = [2, 0, 1]
+    # The third prompt's first block, alone, so that its second block has a context.
+    (first,) = step.prefill([(1, prompts[2][:64], 0)])
+    hidden = step.prefill([(2, prompts[0], 0), (0, prompts[1], 0), (1, prompts[2][64:], 64)])
+    for ids, slot, got, start in zip(prompts, slots, hidden, (0, 0, 64), strict=True):
+        own = model.new_cache(192)
+        ref = fused_forward(model, torch.tensor([ids]), torch.arange(len(ids)), own, 0,
+                            model.causal(len(ids)))[0]
+        assert got.shape == (len(ids) - start, c.hidden_size)
+        assert rel_err(got, ref[start:]) < TOL[torch.float32]
+        n = len(ids)
+        assert rel_err(pool.k[slot, :, 0, :, :n], own.k[:, 0, :, :n]) < TOL[torch.float32]
+    assert rel_err(first, fused_forward(model, torch.tensor([prompts[2][:64]]), torch.arange(64),
+                                        model.new_cache(192), 0, model.causal(64))[0]) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
+        step.prefill([(0, prompts[0] + [1], 0)])
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
+        step.prefill([(0, [1, 2], 150)])  # its block would write past the slot
+    with pytest.raises(ValueError, match="1 to 8 blocks"):
+        step.prefill([])

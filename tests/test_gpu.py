@@ -686,3 +686,13 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     for row in range(3):
         assert torch.equal(logits[row], solo_logits[row]), row
         assert picks[row] == int(solo_logits[row].argmax())
+    # Newcomers' prompt blocks prefilled together (the prefill graph's rows) against each prompt's
+    # prefill on the engine's own cache: bitwise, a short block's padding included.
+    with torch.inference_mode():
+        own = [runner.prefill(x).clone() for x in ids]
+    blocks = step.prefill([(7, ids[0][:64], 0), (3, ids[1][:64], 0), (4, ids[2][:64], 0)])
+    second = step.prefill([(3, ids[1][64:128], 64), (4, ids[2][64:128], 64)])
+    assert torch.equal(blocks[0], own[0][:64]) and torch.equal(blocks[1], own[1][:64])
+    assert torch.equal(blocks[2], own[2][:64])
+    assert torch.equal(second[0], own[1][64:128]) and torch.equal(second[1], own[2][64:128])
+    assert batcher.prefill_rows > 0, "the batcher never prefilled through the shared forward"

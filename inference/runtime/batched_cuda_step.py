@@ -41,6 +41,8 @@ from elesium.kernels.ragged_attention import ragged_tree_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Rows a captured graph holds; a batch takes the smallest bucket that fits it."""
+PREFILL_ROWS = (1, 2, 4, 8)
+"""Prompt blocks (of different sequences) a prefill graph holds: newcomers' prompts are prefilled together."""
 
 
 def pool_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor,
@@ -116,11 +118,14 @@ class _Captured:
     and writes (``out``)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, staging: torch.Tensor, inputs: torch.Tensor,
-                 out: Any) -> None:
+                 out: Any, body: Callable[[], Any]) -> None:
         self.graph = graph
         self.staging = staging  # pinned host memory, so the copy to ``inputs`` is asynchronous
         self.inputs = inputs
         self.out = out
+        # The captured function, kept with the graph: the constant tensors it closes over (a prefill's
+        # causal block, its node-to-row map) are read by every replay and must never be freed.
+        self.body = body
 
     def replay(self) -> None:
         self.inputs.copy_(self.staging, non_blocking=True)
@@ -133,7 +138,9 @@ class BatchedCudaStep:
     * ``decode``: one token for each of ``B`` sequences, one graph per bucket of rows (``BUCKETS``);
     * ``nodes``: ``N`` nodes of one sequence (a prompt chunk, a tree), one graph per bucket of nodes
       (``node_buckets``, the engine's tree buckets): the one-sequence step's graphs are bound to the
-      engine's own cache, so a generation's prefill and tree steps on its pool slot come here.
+      engine's own cache, so a generation's prefill and tree steps on its pool slot come here;
+    * ``prefill``: one prompt block each of up to 8 sequences (``PREFILL_ROWS``), so that newcomers
+      arriving together are prefilled in one forward rather than one after another.
 
     Unlike the CPU step it takes a batch of one as well. ``graphs=False`` runs the forwards eagerly (the
     reference in tests); so do batches past the largest bucket and node blocks that would write past
@@ -141,7 +148,7 @@ class BatchedCudaStep:
     """
 
     def __init__(self, model: Transformer, pool: SlotPool, rows: int, graphs: bool = True,
-                 node_buckets: tuple[int, ...] = ()) -> None:
+                 node_buckets: tuple[int, ...] = (), block: int = 64) -> None:
         self.model = model
         self.pool = pool
         self.scratch = pool.slots - 1  # the batcher's slot that no generation holds
@@ -149,8 +156,11 @@ class BatchedCudaStep:
         fits = next((b for b in BUCKETS if b >= rows), BUCKETS[-1])  # the smallest bucket for a full batch
         self.buckets = tuple(b for b in BUCKETS if b <= fits)
         self.node_buckets = tuple(sorted(set(node_buckets)))
+        self.block = block  # the prefill's block (PREFILL_CHUNK): a block's bits do not depend on it
+        self.max_prefill_blocks = PREFILL_ROWS[-1]
         self._rows: dict[int, _Captured] = {}
         self._nodes: dict[int, _Captured] = {}
+        self._prefills: dict[int, _Captured] = {}
         self._mempool: Any = None  # the graphs share one memory pool (torch.cuda.graph_pool_handle)
         dev = model.device
         self._node_seq = torch.arange(self.buckets[-1], device=dev)
@@ -164,6 +174,8 @@ class BatchedCudaStep:
             self._row_graph(bucket)
         for bucket in self.node_buckets:
             self._node_graph(bucket)
+        for bucket in PREFILL_ROWS:
+            self._prefill_graph(bucket)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], offsets: list[int],
@@ -228,6 +240,82 @@ class BatchedCudaStep:
         out: StepOutputs = captured.out
         return StepOutputs(out.hidden[:n], out.logits[:n], out.greedy[:n])
 
+    def fits_prefill(self, offset: int) -> bool:
+        """Whether a block from ``offset`` can take ``prefill`` (its padding nodes write a whole block)."""
+        return offset + self.block <= self.pool.max_len
+
+    @torch.inference_mode()
+    def prefill(self, blocks: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+        """Hidden states ``[n, hidden]`` of one prompt block per sequence, all in one forward: ``blocks``
+        holds ``(slot, tokens, offset)``, at most ``block`` tokens each and ``fits_prefill(offset)``.
+
+        Each row is a causal block of its own sequence after its first ``offset`` positions, exactly what
+        the one-sequence prefill computes for that block (the same kernels, rows independent of each other
+        and of the block's length). A short block's padding nodes come after its real ones, so no real
+        node sees them; their keys land past the prompt and are overwritten by its later tokens.
+        """
+        if not 1 <= len(blocks) <= PREFILL_ROWS[-1]:
+            raise ValueError(f"a batched prefill takes 1 to {PREFILL_ROWS[-1]} blocks, got {len(blocks)}")
+        chunk, pool = self.block, self.pool
+        for slot, tokens, offset in blocks:
+            if not 1 <= len(tokens) <= chunk or not self.fits_prefill(offset):
+                raise ValueError(f"a prefill block holds 1 to {chunk} tokens ending within the slot, got "
+                                 f"{len(tokens)} from {offset}")
+            pool.reserve(slot, window_for(offset + chunk, pool.max_len))
+        b = len(blocks)
+        bucket = next(m for m in PREFILL_ROWS if m >= b)
+        if not self.graphs:
+            dev = self.model.device
+            staging = self._prefill_staging(blocks, b)
+            inputs = staging.to(dev)
+            hidden = self._prefill_body(inputs, b)()
+        else:
+            captured = self._prefill_graph(bucket)
+            self._prefill_staging(blocks, bucket, captured.staging)
+            captured.replay()
+            hidden = captured.out
+        return [hidden[i, :len(tokens)].clone() for i, (_, tokens, _) in enumerate(blocks)]
+
+    def _prefill_staging(self, blocks: list[tuple[int, list[int], int]], bucket: int,
+                         staging: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens ``[bucket, block]`` | positions ``[bucket, block]`` | offsets | slots, as one int tensor."""
+        chunk = self.block
+        if staging is None:
+            staging = torch.zeros(2 * bucket * chunk + 2 * bucket, dtype=torch.long)
+        tokens = staging[:bucket * chunk].view(bucket, chunk)
+        positions = staging[bucket * chunk:2 * bucket * chunk].view(bucket, chunk)
+        offsets, slots = staging[2 * bucket * chunk:].view(2, bucket)
+        tokens.zero_()
+        positions.copy_(torch.arange(chunk))  # padding rows: positions 0.. of the scratch slot
+        offsets.zero_()
+        slots.fill_(self.scratch)
+        for i, (slot, ids, offset) in enumerate(blocks):
+            tokens[i, :len(ids)] = torch.tensor(ids)
+            positions[i] += offset
+            offsets[i], slots[i] = offset, slot
+        return staging
+
+    def _prefill_body(self, inputs: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+        chunk, dev = self.block, self.model.device
+        node_seq = torch.arange(bucket, device=dev).repeat_interleave(chunk)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril().repeat(bucket, 1)
+        tokens = inputs[:bucket * chunk].view(bucket, chunk)
+        positions = inputs[bucket * chunk:2 * bucket * chunk].view(bucket, chunk)
+        offsets, slots = inputs[2 * bucket * chunk:].view(2, bucket)
+        pool = self.pool
+        return lambda: pool_forward(self.model, tokens, positions, offsets, slots, node_seq, causal, pool.k,
+                                    pool.v)
+
+    def _prefill_graph(self, bucket: int) -> _Captured:
+        captured = self._prefills.get(bucket)
+        if captured is None:
+            staging = self._prefill_staging([], bucket, torch.zeros(
+                2 * bucket * self.block + 2 * bucket, dtype=torch.long).pin_memory())
+            inputs = staging.to(self.model.device)
+            body = self._prefill_body(inputs, bucket)
+            captured = self._prefills[bucket] = self._capture(staging, inputs, body)
+        return captured
+
     def _row_graph(self, bucket: int) -> _Captured:
         captured = self._rows.get(bucket)
         if captured is None:
@@ -265,4 +353,4 @@ class BatchedCudaStep:
         with torch.cuda.graph(graph, pool=self._mempool):
             out = body()
         self._mempool = graph.pool()
-        return _Captured(graph, staging, inputs, out)
+        return _Captured(graph, staging, inputs, out, body)
