@@ -85,6 +85,35 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     ``q_out``: where the queries go (a view with unit last stride, e.g. a slice of a larger buffer, in the
     caches' dtype), saving the copy into it; returned.
     """
+    if isinstance(offset, torch.Tensor):
+        return _rope_launch(qkv, cos, sin, k_cache, v_cache, offset, 0, None, num_heads, num_kv_heads, q_out)
+    return _rope_launch(qkv, cos, sin, k_cache, v_cache, None, int(offset), None, num_heads, num_kv_heads,
+                        q_out)
+
+
+def rope_qkv_to_slots(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, num_heads: int,
+                      num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rope_qkv_to_cache`` for rows of different sequences: row ``b``'s keys and values go to pool row
+    ``slots[b]`` at positions ``offsets[b] + i``; the queries come back as ``[B, Hq, N, D]``.
+
+    ``k_pool``/``v_pool``: ``[S, Hkv, capacity, D]`` (one layer of a slot pool); ``slots`` and
+    ``offsets``: ``[B]`` int32/int64 device tensors (nothing is read back, so a call can be captured
+    in a CUDA graph). A row's queries and cache entries are bit for bit what ``rope_qkv_to_cache``
+    gives that row alone in a cache of its own.
+    """
+    b = qkv.shape[0]
+    if slots.shape != (b,) or offsets.shape != (b,):
+        raise ValueError(f"slots {tuple(slots.shape)} and offsets {tuple(offsets.shape)} must both be [{b}]")
+    return _rope_launch(qkv, cos, sin, k_pool, v_pool, offsets, 0, slots, num_heads, num_kv_heads, q_out)
+
+
+def _rope_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, offset_ptr: torch.Tensor | None, offset_val: int,
+                 slots: torch.Tensor | None, num_heads: int, num_kv_heads: int,
+                 q_out: torch.Tensor | None) -> torch.Tensor:
+    """Check the shapes and launch ``_rope_qkv_kernel``: offsets from ``offset_ptr`` (one, or one per row
+    with ``slots``) or the constant ``offset_val``."""
     b, n, width = qkv.shape
     d = k_cache.shape[-1]
     if width != (num_heads + 2 * num_kv_heads) * d or qkv.stride(-1) != 1:
@@ -99,55 +128,16 @@ def rope_qkv_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
                          f"last stride in the caches' dtype {k_cache.dtype}")
     else:
         q = q_out
-    if isinstance(offset, torch.Tensor):
-        offset_ptr, offset_val, from_ptr = offset, 0, True
-    else:
-        offset_ptr, offset_val, from_ptr = cos, int(offset), False
     if b * n:
+        pointer = offset_ptr if offset_ptr is not None else cos  # never read when OFFSET_FROM_PTR is off
+        rows = slots if slots is not None else pointer  # never read when ROW_SLOTS is off
         _rope_qkv_kernel[(b * n, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, q, k_cache, v_cache, offset_ptr, offset_val, offset_ptr, n,
+            qkv, cos, sin, q, k_cache, v_cache, pointer, offset_val, rows, n,
             qkv.stride(0), qkv.stride(1), q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=d, OFFSET_FROM_PTR=from_ptr, ROW_SLOTS=False,
-            num_warps=1)
-    return q
-
-
-def rope_qkv_to_slots(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                      v_pool: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, num_heads: int,
-                      num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rope_qkv_to_cache`` for rows of different sequences: row ``b``'s keys and values go to pool row
-    ``slots[b]`` at positions ``offsets[b] + i``; the queries come back as ``[B, Hq, N, D]``.
-
-    ``k_pool``/``v_pool``: ``[S, Hkv, capacity, D]`` (one layer of a slot pool); ``slots`` and
-    ``offsets``: ``[B]`` int32/int64 device tensors (nothing is read back, so a call can be captured
-    in a CUDA graph). A row's queries and cache entries are bit for bit what ``rope_qkv_to_cache``
-    gives that row alone in a cache of its own.
-    """
-    b, n, width = qkv.shape
-    d = k_pool.shape[-1]
-    if width != (num_heads + 2 * num_kv_heads) * d or qkv.stride(-1) != 1:
-        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x {num_kv_heads} heads "
-                         f"of {d}")
-    if slots.shape != (b,) or offsets.shape != (b,):
-        raise ValueError(f"slots {tuple(slots.shape)} and offsets {tuple(offsets.shape)} must both be [{b}]")
-    cos = cos.reshape(b, n, d).float().contiguous()
-    sin = sin.reshape(b, n, d).float().contiguous()
-    if q_out is None:
-        q = torch.empty((b, num_heads, n, d), dtype=qkv.dtype, device=qkv.device)
-    elif q_out.shape != (b, num_heads, n, d) or q_out.stride(-1) != 1 or q_out.dtype != k_pool.dtype:
-        raise ValueError(f"q_out {tuple(q_out.shape)} {q_out.dtype} is not a [B, Hq, N, D] view with unit "
-                         f"last stride in the pool's dtype {k_pool.dtype}")
-    else:
-        q = q_out
-    if b * n:
-        _rope_qkv_kernel[(b * n, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, q, k_pool, v_pool, offsets, 0, slots, n,
-            qkv.stride(0), qkv.stride(1), q.stride(0), q.stride(1), q.stride(2),
-            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-            HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=d, OFFSET_FROM_PTR=True, ROW_SLOTS=True, num_warps=1)
+            HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=d, OFFSET_FROM_PTR=offset_ptr is not None,
+            ROW_SLOTS=slots is not None, num_warps=1)
     return q
 
 

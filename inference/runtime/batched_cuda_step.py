@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 
 from elesium.inference.runtime.cpu_step import window_for
+from elesium.inference.runtime.forward import record_graph
 from elesium.inference.runtime.model import Block, Transformer
 from elesium.inference.runtime.slot_pool import SlotPool
 from elesium.inference.runtime.step_outputs import StepOutputs
@@ -344,13 +345,5 @@ class BatchedCudaStep:
 
     @torch.inference_mode()
     def _capture(self, staging: torch.Tensor, inputs: torch.Tensor, body: Callable[[], Any]) -> _Captured:
-        side = torch.cuda.Stream()  # compile the kernels and settle the allocator before capturing
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            out = body()
-        self._mempool = graph.pool()
+        graph, out, self._mempool = record_graph(body, self._mempool)
         return _Captured(graph, staging, inputs, out, body)

@@ -224,6 +224,22 @@ class ForwardRunner:
                 None if ancestors is None else ancestors.to(dev))
 
 
+def record_graph(body: Callable[[], T], pool: Any = None) -> tuple[torch.cuda.CUDAGraph, T, Any]:
+    """Warm ``body`` up on a side stream (allocator, kernel selection; as torch's docs prescribe), then
+    capture it into a graph in memory pool ``pool`` (None: a new one). Returns the graph, what the capture
+    returned (static tensors every replay rewrites) and the pool, for the next capture to share."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out, graph.pool()
+
+
 class CudaGraphRunner(ForwardRunner):
     """Replays one captured CUDA graph per bucket of N; falls back to eager for larger N.
 
@@ -372,18 +388,8 @@ class CudaGraphRunner(ForwardRunner):
         return graph, io, out
 
     def _record(self, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
-        """Warm ``body`` up on a side stream (allocator, kernel selection; as torch's docs prescribe),
-        then capture it into a graph sharing the runner's memory pool."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = body()
-        self._pool = graph.pool()
+        """``record_graph`` into the runner's memory pool."""
+        graph, out, self._pool = record_graph(body, self._pool)
         return graph, out
 
     @torch.inference_mode()
