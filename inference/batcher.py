@@ -19,8 +19,8 @@ from its prefill to its end, and one thread, the step loop, owns the model:
    (``runtime/batched_step.py`` on the CPU, ``runtime/batched_cuda_step.py`` on CUDA); on the CPU a
    generation alone, a tree step (speculative decoding), and a device chain run their own forward on
    their own slot, through the same graphs the one-at-a-time engine always used; on CUDA a generation
-   alone is a batch of one (the one-sequence graphs are bound to the engine's cache), and a tree step
-   runs eagerly on its slot;
+   alone is a batch of one (the one-sequence graphs are bound to the engine's cache), newcomers' prompt
+   blocks share a forward, and a tree step replays the pool's node graph for its slot;
 4. each row's logits go back to its own decoder, which picks the token exactly as it would alone.
 
 Joining and leaving happen between steps (a closed stream leaves at the next one, and its slot is
@@ -31,9 +31,13 @@ layout, and sampling is per generation, so a generation's tokens do not depend o
 Work that needs the model but is not a generation (``Engine.hidden_states``) runs on the loop too,
 between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 
-Not here yet (``docs/design/batched-serving.md``): prefill blocks as rows of the batched forward
-(they run as their own forward between steps), speculative trees inside the batch (on CUDA a tree step
-on a slot runs eagerly, which is why CUDA batches only when ``max_batch`` asks for it), and deadlines.
+On CUDA the loop also decodes vanilla generations up to ``LOOKAHEAD`` tokens ahead of their consumers,
+whose threads would otherwise set its pace.
+
+Not here yet (``docs/design/batched-serving.md``): on the CPU, prefill blocks as rows of the batched
+forward (they run as their own forward between steps); speculative trees inside the batch (on CUDA a tree
+step is host-driven on its slot, without the self-feeding tree chains, which is why CUDA batches only when
+``max_batch`` asks for it); and deadlines.
 """
 
 from __future__ import annotations

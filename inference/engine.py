@@ -120,9 +120,9 @@ def resolve_max_batch(setting: int | str, runner: ForwardRunner) -> int:
 
     Two runners have a batched twin that is bit for bit their one-sequence step: the compiled CPU step
     (on by default) and, under invariant numerics, the CUDA graphs (``runtime/batched_cuda_step.py``).
-    CUDA batches only when asked: a speculative generation there runs its tree steps eagerly on its
-    pool slot, which costs the one-stream speed of the captured tree graphs, so a single-user engine
-    keeps them. The eager CPU path (SDPA) runs one generation at a time.
+    CUDA batches only when asked: a speculative generation there runs its tree steps host-driven on its
+    pool slot, without the self-feeding tree chains (BENCHMARKS §6j), which costs one-stream speed, so a
+    single-user engine keeps them. The eager CPU path (SDPA) runs one generation at a time.
     """
     if isinstance(runner, CudaGraphRunner):
         return 1 if setting == "auto" or not runner.model.fused_pointwise else int(setting)
@@ -476,6 +476,8 @@ class Engine:
         start; a one-shot ``generate`` need not (it never runs two rows).
         """
         started = time.perf_counter()
+        if self.batcher is not None and self.model.device.type == "cuda":
+            self.batcher.warm_up()  # on CUDA every generation's steps, the ones below too, are its graphs
         self.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0), mode="vanilla")
         if self.default_mode != "vanilla":  # the tree graph too, where requests speculate by default
             self.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0))

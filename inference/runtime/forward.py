@@ -252,8 +252,9 @@ class CudaGraphRunner(ForwardRunner):
                  buckets: tuple[int, ...] = TREE_BUCKETS) -> None:
         super().__init__(model, cache, heads)
         # The cache every graph is captured on. The batcher points ``cache`` at a pool slot for a
-        # generation's solo work; the graphs would still write the captured cache, so such work runs
-        # eagerly (``_on_own_cache``), with the same bits under invariant numerics.
+        # generation's solo work; the graphs would still write the captured cache, so such work runs on
+        # the pool's graphs (``slot_step``) or eagerly (``_on_own_cache``), the same bits either way under
+        # invariant numerics.
         self._graph_cache = cache
         # Set by the batcher with the cache: the pool's graphs and the slot, which then run this
         # runner's steps on that slot (``BatchedCudaStep.nodes``) instead of eager launches.
