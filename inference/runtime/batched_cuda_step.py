@@ -127,9 +127,21 @@ class _Captured:
         # The captured function, kept with the graph: the constant tensors it closes over (a prefill's
         # causal block, its node-to-row map) are read by every replay and must never be freed.
         self.body = body
+        self._copied: torch.cuda.Event | None = None  # the last replay's copy of ``staging``
+
+    def free_staging(self) -> torch.Tensor:
+        """``staging``, once the last replay's copy has read it: the copy runs asynchronously, in stream
+        order, so two calls with no read-back between them (a long prompt's blocks, one after another)
+        would otherwise overwrite inputs the first replay had not copied yet."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.staging
 
     def replay(self) -> None:
         self.inputs.copy_(self.staging, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
         self.graph.replay()
 
 
@@ -199,7 +211,7 @@ class BatchedCudaStep:
                                                   one_node, pool.k, pool.v)
             return logits, greedy.tolist()
         captured = self._row_graph(bucket)
-        staging = captured.staging
+        staging = captured.free_staging()
         staging[0, :b] = torch.tensor(tokens)
         staging[1, :b] = torch.tensor(offsets)
         staging[2, :b] = torch.tensor(slots)
@@ -229,7 +241,7 @@ class BatchedCudaStep:
                                 torch.zeros(n, dtype=torch.long, device=dev), rows.to(dev), pool.k, pool.v)
         pool.reserve(slot, window_for(offset + bucket, pool.max_len))  # padding nodes write up to here
         captured = self._node_graph(bucket)
-        staging = captured.staging
+        staging = captured.free_staging()
         staging.zero_()
         staging[:n] = torch.tensor(tokens)
         staging[bucket:bucket + n] = torch.tensor(positions)
@@ -272,7 +284,7 @@ class BatchedCudaStep:
             hidden = self._prefill_body(inputs, b)()
         else:
             captured = self._prefill_graph(bucket)
-            self._prefill_staging(blocks, bucket, captured.staging)
+            self._prefill_staging(blocks, bucket, captured.free_staging())
             captured.replay()
             hidden = captured.out
         return [hidden[i, :len(tokens)].clone() for i, (_, tokens, _) in enumerate(blocks)]
