@@ -13,9 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from elesium.state.acceptance_log import AcceptanceLog
 from elesium.state.checkpointer import RedisSaver
@@ -23,6 +24,8 @@ from elesium.state.fenced import dumps_fields, entry_attempts
 from elesium.state.queue import RunQueue
 
 TESTS = Path(__file__).resolve().parent
+T = TypeVar("T")
+
 LLM_AFTER_STEP = {1: "draft", 2: "refine"}  # the node a run executes after its checkpoint of that step
 
 
@@ -35,6 +38,27 @@ class WorkerProc:
     def kill9(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
+
+    def kill9_if(self, predicate: Callable[[], T | None], settle_s: float = 0.05) -> T | None:
+        """SIGKILL the worker only if ``predicate`` holds *at the moment of the kill*.
+
+        A check made while the worker runs can be stale by the time the kill lands: a run seen inside
+        its last LLM call may finish in between (a cluster's slower checks widen that window). So the
+        worker is frozen first (SIGSTOP), writes already sent get ``settle_s`` to reach the server,
+        and then nothing the worker does can change what the predicate sees. If it does not hold,
+        the worker is thawed (SIGCONT) and None is returned."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(settle_s)
+            found = predicate()
+        except BaseException:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            raise
+        if not found:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            return None
+        self.kill9()
+        return found
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (graceful: finish or hand back), then wait; SIGKILL only if it hangs."""

@@ -88,10 +88,9 @@ def _crash_flow(url: str, baseline: dict[str, dict[str, Any]], n: int, log_dir: 
         while victim is None:
             assert a.proc.poll() is None, f"worker A exited early:\n{a.log()}"
             assert time.monotonic() < deadline, f"worker A never got inside an LLM call:\n{a.log()}"
-            done = sum(1 for r in ids if queue.status(r).finished)
-            victim = mid_call_run(queue, root, ids, "A") if done >= n // 5 else None
+            if sum(1 for r in ids if queue.status(r).finished) >= n // 5:
+                victim = a.kill9_if(lambda: mid_call_run(queue, root, ids, "A"))
             time.sleep(0.05)
-        a.kill9()
         killed_at = time.monotonic() - t0
         states = wait_all(queue, ids, TIMEOUT_S)
         # A may have died between recording a run's outcome and acknowledging its entry (two calls:
