@@ -75,7 +75,8 @@ class EventPump:
 
     Whichever process executes a queued run, its events reach this server's SSE readers through one
     daemon thread that polls every followed run's stream (non-blocking reads, so one thread serves
-    any number of runs on a plain Redis or a Cluster) and closes the channel at the run's end.
+    any number of runs on a plain Redis or a Cluster) and closes the channel at the run's end. One tick
+    reads every followed run in one round trip (:meth:`RunEvents.read_many`).
     """
 
     def __init__(self, events: Any, *, interval_s: float = 0.02) -> None:
@@ -107,11 +108,12 @@ class EventPump:
         while not self._stop.is_set():
             with self._lock:
                 subs = list(self._subs.items())
-            for run_id, (thread_id, channel, last) in subs:
-                try:
-                    rows = self.events.read(thread_id, run_id, last)
-                except StateError:
-                    break  # Redis unavailable: retry on the next tick
+            try:
+                batches = self.events.read_many([(thread_id, run_id, last)
+                                                 for run_id, (thread_id, _, last) in subs])
+            except StateError:
+                batches = []  # Redis unavailable: retry on the next tick
+            for (run_id, (thread_id, channel, last)), rows in zip(subs, batches, strict=False):
                 for entry_id, event, data in rows:
                     last = entry_id
                     if event == END:

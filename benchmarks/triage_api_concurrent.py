@@ -207,7 +207,7 @@ async def phase(client: httpx.AsyncClient, name: str, tickets: list[dict[str, An
     """Run every ticket, all at once (``together``) or one after another (``sequential``)."""
     threads = [await new_thread(client) for _ in tickets]
     before = await metrics(client)
-    start = time.perf_counter()
+    start, start_mono = time.perf_counter(), time.monotonic()
     if name == "together":
         records: list[dict[str, Any]] = await asyncio.gather(
             *(one_run(client, tid, t, s, poll_s, timeout_s) for tid, t, s in zip(threads, tickets, seeds,
@@ -217,6 +217,7 @@ async def phase(client: httpx.AsyncClient, name: str, tickets: list[dict[str, An
         for tid, t, s in zip(threads, tickets, seeds, strict=True):
             records.append(await one_run(client, tid, t, s, poll_s, timeout_s))
     wall = time.perf_counter() - start
+    window = [start_mono, time.monotonic()]  # CLOCK_MONOTONIC: to cut a profile (perf --clockid) to the phase
     after = await metrics(client)
     for i, rec in enumerate(records):
         rec["index"] = i
@@ -225,7 +226,7 @@ async def phase(client: httpx.AsyncClient, name: str, tickets: list[dict[str, An
     deltas = {k: round(after[k] - before.get(k, 0.0), 4) for k in after
               if after[k] != before.get(k, 0.0) and not k.endswith("_created")}
     return {
-        "phase": name, "runs": len(records), "wall_s": wall,
+        "phase": name, "runs": len(records), "wall_s": wall, "monotonic_window_s": window,
         "errors": sum(1 for r in records if "error" in r),
         "error_samples": [r["error"] for r in records if "error" in r][:5],
         "statuses": {s: sum(1 for r in records if r.get("status") == s)

@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from elesium.cli.commands.common import add_model_args, load_engine
+from elesium.cli.heap import freeze_startup_heap
 from elesium.cli.projects import add_config_args, load_project_env, registry_from_args
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     # Before the first request: a graph compiled by a request makes every request beside it wait.
     print(f"elesium serve: engine warmed up in {engine.warm_up():.1f} s", file=sys.stderr)
     app = create_app(settings, engine=engine, registry=registry)
+    freeze_startup_heap()
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found.
     # The default handler would kill the process there, before atexit stops the embedded Valkey (left
     # running, re-parented to PID 1); this one ends it as a normal exit, so atexit runs.

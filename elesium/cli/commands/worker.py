@@ -100,6 +100,7 @@ def _log_claims() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from elesium.cli.errors import CliError
+    from elesium.cli.heap import freeze_startup_heap
     from elesium.state.queue import RunQueue
     from elesium.state.queue_worker import QueueWorker
 
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     queue = RunQueue.from_url(args.redis_url, prefix=args.prefix, name=args.queue,
                               lease_ttl_ms=int(args.lease_ttl * 1000), max_attempts=args.max_attempts)
     execute = factory(args, queue)
+    freeze_startup_heap()
     worker = QueueWorker(queue, execute, concurrency=args.concurrency, worker_id=args.worker_id)
 
     def on_signal(signum: int, _frame: Any) -> None:
