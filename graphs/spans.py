@@ -96,22 +96,60 @@ def span_features(engine: TokenStates, text: str, layer: int, max_words: int,
     if not ids or not spans:
         return [], torch.zeros(0, 0, dtype=torch.float64)
     states = engine.hidden_states(ids, [layer])[0].to(torch.float64)  # [T, H]
-    cum = torch.cat([torch.zeros(1, states.shape[1], dtype=torch.float64), states.cumsum(0)])
+    return spans, features_of_spans(states, offsets, text, spans, subject_end)
+
+
+def _token_ranges(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]],
+                  n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each span's tokens ``[t0, t1)``: from the first token ending after its start to the last one
+    starting before its end, at least one token, within the ``n_tokens`` tokens."""
+    starts = torch.tensor([a for a, _ in offsets])
+    ends = torch.tensor([b for _, b in offsets])
+    t0 = torch.searchsorted(ends, torch.tensor([a for a, _ in spans]), right=True)
+    t1 = torch.searchsorted(starts, torch.tensor([b for _, b in spans]), right=False)
+    t1 = torch.clamp(torch.maximum(t1, t0 + 1), max=n_tokens)
+    return torch.minimum(t0, t1 - 1), t1
+
+
+def features_of_spans(states: torch.Tensor, offsets: Sequence[tuple[int, int]], text: str,
+                      spans: Sequence[tuple[int, int]], subject_end: int = 0) -> torch.Tensor:
+    """Every span's features at once: ``[mean, first, last, previous token, shape]`` of its tokens.
+
+    Why in one pass: a ticket has hundreds of candidate spans, and one span at a time cost about a
+    dozen small torch calls each, tens of milliseconds of GIL-holding Python per node that slowed the
+    engine's step loop whenever 32 runs were in flight (BENCHMARKS 20). The arithmetic is the
+    per-span reference's (:func:`features_of_spans_reference`), element for element, so the features
+    are the same bits (``tests/test_spans.py``)."""
+    t0, t1 = _token_ranges(offsets, spans, states.shape[0])
+    zero = torch.zeros(1, states.shape[1], dtype=states.dtype)
+    cum = torch.cat([zero, states.cumsum(0)])
+    counts = (t1 - t0).to(states.dtype).unsqueeze(1)
+    mean = (cum[t1] - cum[t0]) / counts
+    previous = torch.cat([zero, states])[t0]  # the token before the span; zeros at the text's start
+    shape = torch.tensor([_shape(text, a, b, len(text[a:b].split()), subject_end) for a, b in spans],
+                         dtype=states.dtype)
+    return torch.cat([mean, states[t0], states[t1 - 1], previous, shape], dim=1)
+
+
+def features_of_spans_reference(states: torch.Tensor, offsets: Sequence[tuple[int, int]], text: str,
+                                spans: Sequence[tuple[int, int]], subject_end: int = 0) -> torch.Tensor:
+    """One span at a time: the definition :func:`features_of_spans` is tested against."""
+    cum = torch.cat([torch.zeros(1, states.shape[1], dtype=states.dtype), states.cumsum(0)])
     starts = torch.tensor([a for a, _ in offsets])
     ends = torch.tensor([b for _, b in offsets])
     rows = []
     for start, end in spans:
         t0 = int(torch.searchsorted(ends, start, right=True))  # first token ending after the start
         t1 = max(int(torch.searchsorted(starts, end, right=False)), t0 + 1)  # tokens starting before the end
-        t1 = min(t1, len(ids))
+        t1 = min(t1, states.shape[0])
         t0 = min(t0, t1 - 1)
         mean = (cum[t1] - cum[t0]) / (t1 - t0)
         prev = states[t0 - 1] if t0 > 0 else torch.zeros_like(states[0])
         n_words = len(text[start:end].split())
         rows.append(torch.cat([mean, states[t0], states[t1 - 1], prev,
                                torch.tensor(_shape(text, start, end, n_words, subject_end),
-                                            dtype=torch.float64)]))
-    return spans, torch.stack(rows)
+                                            dtype=states.dtype)]))
+    return torch.stack(rows)
 
 
 @dataclasses.dataclass(frozen=True)
