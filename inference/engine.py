@@ -125,10 +125,18 @@ def resolve_max_batch(setting: int | str, runner: ForwardRunner) -> int:
     single-user engine keeps them. The eager CPU path (SDPA) runs one generation at a time.
     """
     if isinstance(runner, CudaGraphRunner):
-        return 1 if setting == "auto" or not runner.model.fused_pointwise else int(setting)
-    if not isinstance(runner, CompiledCpuRunner) or not runner.compiled:
-        return 1
-    return DEFAULT_CPU_BATCH if setting == "auto" else int(setting)
+        if setting == "auto":
+            return 1
+        if runner.model.fused_pointwise:
+            return int(setting)
+        why = "CUDA batches only under invariant numerics (the fused kernels are off)"
+    elif isinstance(runner, CompiledCpuRunner) and runner.compiled:
+        return DEFAULT_CPU_BATCH if setting == "auto" else int(setting)
+    else:
+        why = f"the {type(runner).__name__} steps one sequence at a time (no batched twin of its step)"
+    if setting != "auto" and int(setting) > 1:  # asked for explicitly: say why it is not granted
+        log.warning("max_batch %s not applied: %s; this engine serves one generation at a time", setting, why)
+    return 1
 
 
 def resolve_device(device: str) -> torch.device:

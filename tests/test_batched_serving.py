@@ -10,6 +10,7 @@ speculative; a closed generation leaves at the next step and frees its slot.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
@@ -241,11 +242,18 @@ def test_a_full_queue_refuses_new_generations(batched):
         batcher.max_waiting = kept
 
 
-def test_only_the_compiled_cpu_step_batches(engine, batched):
+def test_only_the_compiled_cpu_step_batches(engine, batched, caplog):
     """The float32 reference engine (eager SDPA steps) has no batched twin that equals its one-sequence
-    step, so it serves one generation at a time; ``max_batch`` sizes the compiled step's batch."""
+    step, so it serves one generation at a time, and says so when a batch was asked for; ``max_batch``
+    sizes the compiled step's batch."""
     assert engine.batcher is None and batched.batcher is not None
-    assert resolve_max_batch("auto", engine.runner) == 1 and resolve_max_batch("8", engine.runner) == 1
+    with caplog.at_level(logging.WARNING, logger="elesium"):
+        assert resolve_max_batch("auto", engine.runner) == 1
+        assert not caplog.records
+        assert resolve_max_batch("8", engine.runner) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"max_batch 8 not applied: the {type(engine.runner).__name__} steps one sequence at a time (no "
+        "batched twin of its step); this engine serves one generation at a time"]
     assert resolve_max_batch("auto", batched.runner) == 16 and resolve_max_batch("3", batched.runner) == 3
     assert resolve_max_batch("1", batched.runner) == 1  # 1: no batcher, the gate as before
     with pytest.raises(SettingsError, match="ELESIUM_MAX_BATCH"):
