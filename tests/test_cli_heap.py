@@ -14,8 +14,9 @@ class _Held:
 def test_objects_alive_at_start_up_leave_the_collectors_walk() -> None:
     held = _Held()
     try:
-        frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # Not compared with gc.get_freeze_count() afterwards: a frozen object that dies (on any thread of
+        # the test process) leaves the permanent generation, so the count only holds at the call.
+        assert freeze_startup_heap() > 0
         assert not any(o is held for o in gc.get_objects())  # no later collection walks it
         later = _Held()
         assert any(o is later for o in gc.get_objects())  # what comes after start-up still is walked
