@@ -97,8 +97,9 @@ class ParamError(BadRequest):
 
 
 def _finish(reason: str) -> str:
-    """OpenAI knows only "length" and "stop"; a stop string or the end token are both "stop"."""
-    return "length" if reason == "length" else "stop"
+    """OpenAI knows only "length" and "stop"; a stop string or the end token are both "stop", and an answer
+    cut short by its deadline is "length" (cut, not finished)."""
+    return "length" if reason in ("length", "deadline") else "stop"
 
 
 def _usage(gen: Any) -> dict[str, int]:
@@ -576,6 +577,7 @@ def prepare(svc: Services, body: ChatCompletionRequest) -> ChatCompletion:
             max_tokens=max_tokens,
             seed=body.seed,
             stop=tuple(stops),
+            deadline_s=body.deadline_s,
         )
         try:
             prompt_ids = svc.engine.encode_prompt(messages)

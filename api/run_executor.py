@@ -28,6 +28,7 @@ from elesium.graphs.audit_chain import open_run_audit
 from elesium.graphs.context import set_record_trees
 from elesium.graphs.execution import (
     EngineMismatchError,
+    LLMCall,
     RunCancelled,
     RunEngine,
     check_engine,
@@ -114,8 +115,11 @@ class ApiRunExecutor:
 
         publish("metadata",
                 {"run_id": run_id, "thread_id": public_id(row.thread_id), "attempt": lease.attempt})
+        # A retried attempt re-decodes a call the dead one finished; where that call's deadline cut it, the
+        # retry cuts at the same token (RunEngine's ``cuts``), so the record and the state agree.
+        earlier = [LLMCall.model_validate(c) for c in svc.store.calls(run_id)] if lease.attempt > 1 else []
         tap = RunEngine(svc.engine if trace is None else trace.engine(svc.engine),
-                        on_call=lambda call: svc.store.add_call(run_id, call.model_dump()))
+                        on_call=lambda call: svc.store.add_call(run_id, call.model_dump()), cuts=earlier)
         unregister = lease.on_abort(tap.cancel)
         modes = row.request.get("stream_mode") or ["values"]
         graph = wf.build(svc.metrics.timed_checkpoints(lease.saver()))

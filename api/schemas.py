@@ -171,6 +171,10 @@ class ChatCompletionRequest(BaseModel):
                        "sampling parameter, sent by the OpenAI SDK through extra_body")
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
+    deadline_s: float | None = Field(
+        default=None, gt=0, le=86400, allow_inf_nan=False,
+        description="seconds from the request's arrival after which the answer ends with what it has "
+                    "(finish_reason \"length\"; Elesium's extra parameter, sent through extra_body)")
     mode: Literal["vanilla", "speculative", "medusa", "typical"] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

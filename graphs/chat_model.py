@@ -48,7 +48,7 @@ from elesium.inference.sampling import SamplingParams
 from elesium.inference.types import GenerationRequest, TextEngine, generate
 
 # Per-call options ``invoke(..., **kwargs)`` / ``bind(...)`` may set; anything else is an error.
-_CALL_OPTIONS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "mode", "constraint")
+_CALL_OPTIONS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "mode", "constraint", "deadline_s")
 
 
 class ChatElesium(BaseChatModel):
@@ -75,6 +75,8 @@ class ChatElesium(BaseChatModel):
     mode: str | None = None
     """"vanilla", "speculative" (alias "medusa") or "typical"; None: the engine's default."""
     stop: list[str] | None = None
+    deadline_s: float | None = None
+    """Seconds after which a call ends with what it has (``finish_reason`` "deadline"); None: no limit."""
     streaming: bool = False
     """Stream even through ``invoke`` (so callbacks get ``on_llm_new_token``)."""
 
@@ -104,7 +106,7 @@ class ChatElesium(BaseChatModel):
         stops = tuple(dict.fromkeys([*(self.stop or ()), *(stop or ())]))
         params = SamplingParams(temperature=float(opt["temperature"]), top_p=float(opt["top_p"]),
                                 top_k=int(opt["top_k"]), max_tokens=int(opt["max_tokens"]), seed=opt["seed"],
-                                stop=stops)
+                                stop=stops, deadline_s=opt["deadline_s"])
         constraint = opt["constraint"]
         if constraint is not None and not isinstance(constraint, Constraint):
             raise TypeError(f"constraint must be an elesium Constraint, not {type(constraint).__name__}")

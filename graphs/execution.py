@@ -174,6 +174,10 @@ class RunEngine:
         on_call: each finished call, as it finishes (a queued run persists it at once).
         cancelled: an event shared with the caller (a client disconnect sets it); by default its own,
             set by :meth:`cancel`.
+        cuts: a run's recorded calls, for re-executing it: a call its deadline ended
+            (``finish_reason`` "deadline") is decoded again up to the recorded length instead of
+            against the clock, so the replay cuts at the same token however fast this machine is; a
+            call cut before its first token is served from the record (there is nothing to decode).
     """
 
     def __init__(
@@ -184,8 +188,10 @@ class RunEngine:
         on_chunk: Callable[[str, int, str], None] | None = None,
         on_call: Callable[[LLMCall], None] | None = None,
         cancelled: threading.Event | None = None,
+        cuts: Sequence[LLMCall] | None = None,
     ) -> None:
         self.engine = engine
+        self._cuts = {(c.node, c.call): c for c in cuts or () if c.finish_reason == "deadline"}
         self.on_chunk = on_chunk
         self.on_call = on_call
         self._recorded = {(c.node, c.call): c for c in recorded} if recorded is not None else None
@@ -229,6 +235,14 @@ class RunEngine:
                     recorded=None if rec is None else rec.prompt_sha256[:16],
                     replayed=f"llm call {tag.node}#{tag.index}" if rec is None else digest[:16]))
             return _RecordingHandle(self, tag, None, rec, digest, len(ids))
+        cut = self._cuts.get((tag.node, tag.index))
+        if cut is not None and cut.prompt_sha256 != digest:
+            cut = None  # another prompt: decoded as asked; the comparison reports the prompt's divergence
+        if cut is not None and not cut.token_ids:
+            return _RecordingHandle(self, tag, None, cut, digest, len(ids))
+        if cut is not None:
+            request = dataclasses.replace(request, sampling=dataclasses.replace(
+                request.sampling, max_tokens=len(cut.token_ids), deadline_s=None))
 
         def hook(record: StepRecord) -> None:
             self.steps.append((tag.node, record))
@@ -238,6 +252,7 @@ class RunEngine:
         # The tag goes along (engines ignore it): a traced engine (api/tracing.py) labels its span with it.
         inner = self.engine.start(dataclasses.replace(request, prompt=ids, raw=True, tag=tag), on_step=hook)
         handle = _RecordingHandle(self, tag, inner, None, digest, len(ids))
+        handle.cut_at = None if cut is None else len(cut.token_ids)
         if ctx is not None and ctx.log is not None:
             handle.log_to = (ctx.log, ctx.run_id, ids, request.sampling.temperature)
         with self._lock:
@@ -320,6 +335,7 @@ class _RecordingHandle:
         self.owner, self.tag, self.inner, self.rec = owner, tag, inner, rec
         self.digest, self.n_prompt = digest, n_prompt
         self.log_to: tuple[Any, str, list[int], float] | None = None  # (acceptance log, run id, prompt, T)
+        self.cut_at: int | None = None  # re-executing a call its deadline cut after this many tokens
         self._result: Generation | None = None
         self._iter = self._run()
 
@@ -369,6 +385,8 @@ class _RecordingHandle:
                 self.close()
                 owner._finished(self, None)
         gen = self.inner.result
+        if self.cut_at is not None and gen.finish_reason == "length" and gen.new_tokens == self.cut_at:
+            gen = dataclasses.replace(gen, finish_reason="deadline")  # where the record's deadline cut it
         self._result = gen
         if self.log_to is not None:
             from elesium.graphs.audit import record_call

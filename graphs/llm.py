@@ -77,7 +77,8 @@ def _coerce_params(params: SamplingParams | Mapping[str, Any] | None) -> Samplin
         return SamplingParams(max_tokens=48)
     if isinstance(params, SamplingParams):
         return params
-    return SamplingParams(**{k: tuple(v) if k == "stop" else v for k, v in params.items()})
+    fields: dict[str, Any] = {k: tuple(v) if k == "stop" else v for k, v in params.items()}
+    return SamplingParams(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +179,8 @@ def call_llm(
                     }
                 )
         gen = stream.result
-        value = spec.parse(gen.text, constrained=constrained, truncated=gen.finish_reason == "length")
+        truncated = gen.finish_reason in ("length", "deadline")
+        value = spec.parse(gen.text, constrained=constrained, truncated=truncated)
     except BaseException as exc:
         run.on_llm_error(exc)
         raise

@@ -323,7 +323,8 @@ def replay_thread(
                 continue
             if rec.status in ("pending", "running"):
                 break
-            tap = RunEngine(engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled)
+            tap = RunEngine(engine, recorded=rec.calls if mode == "recorded" else None, cancelled=cancelled,
+                            cuts=rec.calls)
             fork = rec.request.get("checkpoint_id")
             config = run_config(
                 tap,

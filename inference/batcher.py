@@ -37,7 +37,11 @@ whose threads would otherwise set its pace.
 Not here yet (``docs/design/batched-serving.md``): on the CPU, prefill blocks as rows of the batched
 forward (they run as their own forward between steps); speculative trees inside the batch (on CUDA a tree
 step is host-driven on its slot, without the self-feeding tree chains, which is why CUDA batches only when
-``max_batch`` asks for it); and deadlines.
+``max_batch`` asks for it).
+
+Deadlines (``SamplingParams.deadline_s``) end a generation at the first step boundary after them: its
+consumer stops asking, and a consumer still waiting for a slot or a step wakes at its deadline and leaves
+the queue (``run`` returns False), so the slot is free for the next iteration's admission.
 """
 
 from __future__ import annotations
@@ -224,7 +228,8 @@ class Batcher:
     def run(self, run: _Run) -> bool:
         """Have the loop do ``run``'s next piece of work (its prefill or one step); wait for it.
 
-        Returns False, without doing it, when the run was cancelled before the loop took it.
+        Returns False, without doing it, when the run was cancelled or its deadline passed before the
+        loop took it (a queued generation leaves the queue at its deadline, not when a slot frees).
         """
         with self._lock:
             if run._produced or run._error is not None:  # decoded ahead (LOOKAHEAD): nothing to wait for
@@ -238,11 +243,11 @@ class Batcher:
                     if run in self._done:
                         self._done.discard(run)
                         return True
-                    if run._cancel and run not in self._taken:
+                    if (run._cancel or run.past_deadline()) and run not in self._taken:
                         self._wanted.pop(run, None)
                         self._cond.notify()
                         return False
-                    mine.wait()
+                    mine.wait(run.wait_s())  # wakes at the deadline, to leave the queue then
             finally:
                 self._waiters.pop(run, None)
 
@@ -403,7 +408,8 @@ class Batcher:
 
     def _ahead_capable(self, run: _Run) -> bool:
         """Whether ``run`` is a generation the loop decodes ahead of its consumer (see ``LOOKAHEAD``)."""
-        if not self.lookahead or run.state != "running" or run._cancel or run._error is not None:
+        if (not self.lookahead or run.state != "running" or run._cancel or run._error is not None
+                or run.past_deadline()):
             return False
         decoder = run._decoder
         return isinstance(decoder, VanillaDecoder) and decoder.grammar is None and _batchable(run)

@@ -27,11 +27,14 @@ class FifoGate:
         self._cond = threading.Condition(threading.RLock())
         self._queue: deque[object] = deque()
 
-    def acquire(self, token: object, *, cancelled: Callable[[], bool] = lambda: False) -> bool:
+    def acquire(self, token: object, *, cancelled: Callable[[], bool] = lambda: False,
+                timeout: Callable[[], float | None] = lambda: None) -> bool:
         """Queue ``token`` and wait until it owns the gate.
 
-        Returns False (and leaves the queue) when ``cancelled()`` becomes true or the token was
-        released by another thread while it waited; True once the token is first in line.
+        Returns False (and leaves the queue) when ``cancelled()`` becomes true, when ``timeout()`` (the
+        seconds left to wait, None: no limit; asked again at each wake-up, e.g. a generation's deadline)
+        reaches 0, or when the token was released by another thread while it waited; True once the token
+        is first in line.
         """
         with self._cond:
             if token not in self._queue:
@@ -41,10 +44,11 @@ class FifoGate:
                     return False  # released (cancelled) by another thread while waiting
                 if self._queue[0] is token:
                     return True
-                if cancelled():
+                left = timeout()
+                if cancelled() or (left is not None and left <= 0):
                     self._remove(token)
                     return False
-                self._cond.wait()
+                self._cond.wait(left)
 
     def release(self, token: object) -> None:
         """Give up ownership, or a place in the queue; a token that holds neither is ignored."""

@@ -90,6 +90,16 @@ class _Run:
         now = time.perf_counter()
         self.timing = GenerationTiming(now if arrived_at is None else min(arrived_at, now), len(prompt_ids),
                                        mode)
+        # ``params.deadline_s`` counts from the arrival too: time queued before the engine is time spent.
+        self.deadline = None if params.deadline_s is None else self.timing.created_at + params.deadline_s
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def wait_s(self) -> float | None:
+        """How long a thread waiting for this generation's turn may sleep before its deadline (None: no
+        deadline)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
     # -- consumer side ------------------------------------------------------------------------
     def next_chunk(self) -> Chunk:
@@ -106,6 +116,9 @@ class _Run:
                     return self._chunks.popleft()
                 if self.state not in _LIVE:
                     raise StopIteration
+                if self.past_deadline():
+                    self._cut()
+                    continue
                 self._advance()
         except StopIteration:
             raise
@@ -144,7 +157,7 @@ class _Run:
         batcher = engine.batcher
         if batcher is not None:
             if not batcher.run(self):
-                self._end("closed")
+                self._end("closed") if self._cancel else self._cut()
                 return
             if self._error is not None:
                 error, self._error = self._error, None
@@ -153,8 +166,9 @@ class _Run:
             batcher.drained()
             return
         else:
-            if self.state == "new" and not engine._gate.acquire(self, cancelled=lambda: self._cancel):
-                self._end("closed")
+            if self.state == "new" and not engine._gate.acquire(self, cancelled=lambda: self._cancel,
+                                                                 timeout=self.wait_s):
+                self._end("closed") if self._cancel else self._cut()
                 return
             self._work()
         self._publish()
@@ -241,6 +255,22 @@ class _Run:
                 self._finish = "length"
                 break
         return kept, out
+
+    def _cut(self) -> None:
+        """The deadline passed: end with the tokens published so far (none if it never started).
+
+        Tokens the step loop decoded ahead (``LOOKAHEAD``) and the consumer has not published are dropped,
+        as past a stop string: the output is what was published, and the record keeps its length.
+        """
+        with self._mutex:
+            if self.state not in _LIVE:
+                return
+        if self._finish is None:
+            self._finish = "deadline"
+        self._produced.clear()
+        if not self._start:
+            self._start = time.perf_counter()
+        self._publish()
 
     def _end(self, state: RunState) -> None:
         """Enter a final state once and give the engine back (or leave its queue)."""

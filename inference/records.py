@@ -128,7 +128,10 @@ class StepRecord:
         )
 
 
-FinishReason = Literal["eos", "stop", "length"]
+FinishReason = Literal["eos", "stop", "length", "deadline"]
+"""Why a generation ended: its end token, a stop string, ``max_tokens`` (or the context), or its
+``deadline_s`` passing (the tokens so far are its output; a run's record keeps how many, so a replay
+cuts there too)."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     ``temperature == 0`` is greedy. ``seed`` None draws a fresh seed (recorded in the result, so
-    the run can still be replayed).
+    the run can still be replayed). ``deadline_s``: seconds from the request's arrival after which the
+    generation ends at its next step boundary with the tokens it has (``finish_reason`` "deadline"), or
+    with none if it was still queued. It picks no token, only where the output is cut; a run's record
+    keeps that place, so a replay cuts at the same token whatever its own speed.
     """
 
     temperature: float = 0.0
@@ -29,6 +32,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -41,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.deadline_s is not None and not (0.0 < self.deadline_s < float("inf")):
+            raise ValueError(f"deadline_s must be a positive number of seconds, got {self.deadline_s}")
 
     @property
     def greedy(self) -> bool:

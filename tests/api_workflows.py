@@ -112,6 +112,22 @@ def story() -> Workflow:
     return Workflow.define("story", _story_factory, TopicIn, description="one long LLM call")
 
 
+def _hurried_factory() -> StateGraph:
+    builder = StateGraph(SummaryState)
+    params = {"max_tokens": 400, "temperature": 0.7, "top_p": 0.95, "deadline_s": 3.0}
+    builder.add_node(llm_node("write", prompt="Tell a very long story about {topic}.", output_key="summary",
+                              params=params))
+    builder.add_edge(START, "write")
+    builder.add_edge("write", END)
+    return builder
+
+
+def hurried() -> Workflow:
+    """One sampled call that its deadline (3 s) cuts long before its 400 tokens: replay must cut it at the
+    recorded token, not at 3 s of its own."""
+    return Workflow.define("hurried", _hurried_factory, TopicIn, description="one LLM call with a deadline")
+
+
 def _relay_factory() -> StateGraph:
     builder = StateGraph(RelayState)
     builder.add_node(llm_node("outline", prompt="List three facts about {topic}.", output_key="outline",
@@ -177,7 +193,8 @@ def build_registry() -> EditableRegistry:
     from elesium.graphs.workflows import shipped
 
     registry = EditableRegistry()
-    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), relay(), loop(),
+    for workflow in (approval(), approval(name="approval-versioned"), summary(), story(), hurried(), relay(),
+                     loop(),
                      *shipped()):
         registry.register(workflow)
     return registry

@@ -30,6 +30,7 @@ def test_assistants_one_per_workflow_version(client):
         "approval",
         "approval-versioned",
         "expense-approval",
+        "hurried",
         "incident-summary",
         "loop",
         "relay",

@@ -696,3 +696,56 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     assert torch.equal(blocks[2], own[2][:64])
     assert torch.equal(second[0], own[1][64:128]) and torch.equal(second[1], own[2][64:128])
     assert batcher.prefill_rows > 0, "the batcher never prefilled through the shared forward"
+
+
+def test_batched_cuda_deadline_drops_what_was_decoded_ahead(mt_bench_prompts) -> None:
+    """Deadlines on CUDA, where the step loop decodes up to ``LOOKAHEAD`` tokens ahead of a consumer: three
+    generations whose consumers stop asking after a few tokens are cut at their deadline with exactly the
+    tokens they published (the ones decoded ahead are dropped), a prefix of their solo tokens, and their
+    slots are free at once."""
+    import threading
+    import time
+
+    from elesium.config import Settings
+    from elesium.inference.engine import Engine
+
+    settings = Settings.from_env().with_overrides(invariant_numerics="on", max_batch="4")
+    engine = Engine.load(device="cuda", dtype="bfloat16", settings=settings)
+    batcher = engine.batcher
+    assert batcher is not None and batcher.lookahead > 0
+    prompts = [p[:200] for p in mt_bench_prompts[30:33]]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, SamplingParams(max_tokens=96), mode="vanilla").token_ids for p in prompts]
+    finally:
+        engine.batcher = batcher
+    engine.warm_up()
+    got: dict[int, tuple[tuple[int, ...], list[int], str]] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            stream = engine.stream(prompts[i], SamplingParams(max_tokens=96, deadline_s=5.0), mode="vanilla")
+            seen: list[int] = []
+            for chunk in stream:
+                seen.extend(chunk.token_ids)
+                if len(seen) >= 6:
+                    time.sleep(max(0.0, stream._run.deadline - time.perf_counter()) + 0.05)
+            got[i] = (stream.result.token_ids, seen, stream.result.finish_reason)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    ahead_before = batcher.ahead_rows
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert batcher.ahead_rows > ahead_before, "nothing was decoded ahead: the drop is untested"
+    for i in range(3):
+        tokens, seen, finish = got[i]
+        assert finish == "deadline" and list(tokens) == seen, (i, finish, len(tokens), len(seen))
+        assert 6 <= len(tokens) < len(solo[i]), (i, len(tokens), len(solo[i]))
+        assert tokens == solo[i][:len(tokens)], (i, _diverge(tokens, solo[i]))
+    assert batcher.running == 0
