@@ -18,7 +18,22 @@ run_logged() {  # log name, timeout, command...
   echo "exit $?" >>"$OUT/$log"
   tail -4 "$OUT/$log"
 }
-WHAT=${WHAT:-all}  # tests | serving | all: a call may run at most 10 minutes, so the two can be split
+WHAT=${WHAT:-all}  # tests | serving | all | steady: a call may run at most 10 minutes, so they can be split
+if [ "$WHAT" = knobs ]; then  # the step loop's host-side knobs side by side (benchmarks/gpu/serving_knobs.py)
+  run_logged serving_knobs.log "${SERVING_S:-500}" env ELESIUM_MAX_BATCH=64 python3 -P benchmarks/gpu/serving_knobs.py \
+    "$P" "$OUT/serving_knobs.json"
+  exit 0
+fi
+if [ "$WHAT" = steady ]; then  # the batched CUDA tests (deadlines too), then serving at steady state: REQUESTS
+  # requests per level (default 256: 8 waves at 32 concurrent, 4 at 64), so a level's ramp-up and tail weigh
+  # little; the default sweep runs 2 x concurrency requests, under a second of wall at 32 and 64
+  run_logged pytest_gpu_batched.log "${PYTEST_S:-300}" python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s \
+    -p no:cacheprovider -k batched_cuda
+  run_logged serving_steady.log "${SERVING_S:-400}" env ELESIUM_MAX_BATCH=64 python3 -P benchmarks/serving.py \
+    --device cuda --mode vanilla --concurrency "${LEVELS:-1,32,64}" --requests-per-level "${REQUESTS:-256}" \
+    --max-tokens 128 --prompts "$P" --out "$OUT/serving_cuda_steady.json"
+  exit 0
+fi
 k=batched_cuda; [ "${FULL_GPU_TESTS:-0}" = 1 ] && k=""
 if [ "$WHAT" != serving ]; then
 run_logged pytest_gpu_batched.log "${PYTEST_S:-300}" python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s \
