@@ -48,7 +48,7 @@ def test_a_deadline_cuts_at_a_step_boundary_keeping_the_models_tokens(engine, mo
     if mode not in engine.modes:
         pytest.fail(f"the bundled engine should offer {mode} (shipped heads)")
     full = engine.generate(PROMPT, SamplingParams(max_tokens=48), mode=mode).token_ids
-    seen, stream = _cut_after_some_tokens(engine, mode, deadline_s=20.0)
+    seen, stream = _cut_after_some_tokens(engine, mode, deadline_s=8.0)
     result = stream.result
     assert result.finish_reason == "deadline"
     assert list(result.token_ids) == seen
@@ -80,7 +80,7 @@ def test_inside_the_step_loop_a_deadline_frees_the_slot(engine):
     saved = engine.batcher
     engine.batcher = batcher = Batcher(engine, 1, compiled=False)
     try:
-        holder = engine.stream(PROMPT, SamplingParams(max_tokens=48, deadline_s=20.0), mode="vanilla")
+        holder = engine.stream(PROMPT, SamplingParams(max_tokens=48, deadline_s=3.0), mode="vanilla")
         it = iter(holder)
         next(it)
         assert batcher.running == 1
@@ -117,7 +117,7 @@ def test_re_execution_cuts_where_the_record_did(engine):
     served from the record; a call whose prompt changed is decoded as asked."""
     recorded = []
     tap = RunEngine(engine, on_call=recorded.append)
-    params = SamplingParams(max_tokens=48, temperature=0.7, seed=11, deadline_s=20.0)
+    params = SamplingParams(max_tokens=48, temperature=0.7, seed=11, deadline_s=8.0)
     handle = tap.start(GenerationRequest(PROMPT, params, mode="vanilla", tag=CallTag("write", 0)))
     seen: list[int] = []
     for chunk in handle:
