@@ -324,3 +324,39 @@ def test_serve_config_answers_as_the_project_runs_in_process(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_worker_and_resume_see_the_projects_graphs(
+    project: Path, redis_url: str, engine: Any, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A queue worker must run what the servers queue: ``elesium worker --config`` executes the project's
+    graphs (API runs and background runs alike), and ``elesium resume --config`` finds its runs' workflows
+    there, not among the built-ins."""
+    import redis
+
+    from elesium.cli.commands.worker import make_executor
+    from elesium.state import RunRecord, RunRegistry, RunStatus
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setattr("elesium.cli.commands.common.load_engine", lambda args, **k: engine)
+    args = argparse.Namespace(redis_url=redis_url, self_tuning=False, config=str(project), no_config=False)
+    dispatcher = make_executor(args, None)
+    assert [w.name for w in dispatcher.api.svc.registry.list()] == ["review-reply", "review-summary"]
+    assert [w.name for w in dispatcher.workflows.runner.registry.list()] == ["review-reply", "review-summary"]
+    builtin = make_executor(argparse.Namespace(redis_url=redis_url, self_tuning=False, config=None,
+                                               no_config=True), None)
+    assert "ticket-triage" in {w.name for w in builtin.workflows.runner.registry.list()}
+
+    from elesium.graphs import default_registry
+
+    registry = RunRegistry(redis.Redis.from_url(redis_url))
+    rid = f"proj-{uuid.uuid4().hex[:8]}"
+    version = default_registry().get("ticket-triage").version
+    registry.create(RunRecord(run_id=rid, workflow="ticket-triage", workflow_version=version, input_hash="h"))
+    registry.update_status(rid, RunStatus.RUNNING)
+    registry.update_status(rid, RunStatus.INTERRUPTED)
+    assert main(["resume", rid, "--config", str(project), "--value", '{"approved": "maybe"}']) == 1
+    assert "unknown workflow 'ticket-triage'" in capsys.readouterr().err
+    assert main(["resume", rid, "--no-config", "--value", '{"approved": "maybe"}']) == 1
+    assert "invalid resume value for workflow 'ticket-triage'" in capsys.readouterr().err

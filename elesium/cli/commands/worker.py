@@ -6,8 +6,10 @@ or SIGINT the worker takes no new runs, lets in-flight ones finish for ``--grace
 the rest back, so another worker resumes them from their last checkpoint within half a lease TTL.
 
 ``--executor module:factory`` picks what a run executes: ``factory(args, queue)`` returns the
-callback ``execute(run_id, lease)``. The default runs the shipped workflows through
-:mod:`elesium.graphs` (:mod:`elesium.graphs.background`) and the runs created through the API.
+callback ``execute(run_id, lease)``. The default runs the workflows through :mod:`elesium.graphs`
+(:mod:`elesium.graphs.background`) and the runs created through the API: the graphs of ``--config
+langgraph.json`` (or ``./langgraph.json``) as ``elesium serve`` sees them, else the built-in workflows. A
+worker must see the same graphs as the servers that queue its runs, or it fails their runs as unknown.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elesium.cli.commands.common import add_model_args
+from elesium.cli.projects import add_config_args, load_project_env, registry_from_args
 
 DEFAULT_EXECUTOR = "elesium.cli.commands.worker:make_executor"
 
@@ -44,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="API runs use and learn per-node tree calibrations (also ELESIUM_SELF_TUNING=1); "
                    "give every server and worker of a deployment the same setting")
     add_model_args(p)
+    add_config_args(p)
     p.set_defaults(handler=run)
 
 
@@ -65,7 +69,8 @@ def _factory(spec: str) -> Callable[[argparse.Namespace, Any], Any]:
 
 def make_executor(args: argparse.Namespace, queue: Any) -> Callable[[str, Any], str]:
     """The default executor: runs created through the API and runs submitted with
-    :func:`elesium.graphs.background.submit`, on this machine's engine and the shipped workflows."""
+    :func:`elesium.graphs.background.submit`, on this machine's engine and the project's graphs (``--config``,
+    as ``elesium serve``), else the built-in workflows."""
     from elesium.api.app import build_services
     from elesium.api.run_executor import ApiRunExecutor, Dispatcher
     from elesium.api.settings import ApiSettings, env_flag
@@ -78,7 +83,8 @@ def make_executor(args: argparse.Namespace, queue: Any) -> Callable[[str, Any], 
         self_tuning = env_flag("ELESIUM_SELF_TUNING") or bool(getattr(args, "self_tuning", False))
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    runner = WorkflowRunner(load_engine(args), args.redis_url)
+    registry = registry_from_args(args)  # the project's graphs, imported before the model loads
+    runner = WorkflowRunner(load_engine(args), args.redis_url, registry=registry)
     # Spans of the runs it executes, as `elesium serve` (the variable was checked at startup: cli/tracing.py).
     otel = os.environ.get("ELESIUM_OTEL_EXPORTER", "").strip().lower() or "none"
     settings = ApiSettings(redis_url=args.redis_url, self_tuning=self_tuning, otel_exporter=otel)
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.grace < 0:
         raise CliError(f"--grace must be >= 0 seconds, got {args.grace}")
     _log_claims()
+    load_project_env(args)  # as `elesium serve`: the project's env before anything reads the environment
     factory = _factory(args.executor)
 
     def before_start(signum: int, _frame: Any) -> None:
