@@ -34,6 +34,9 @@ between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 On CUDA the loop also decodes vanilla generations up to ``LOOKAHEAD`` tokens ahead of their consumers,
 whose threads would otherwise set its pace.
 
+A greedy speculative generation admitted while others hold slots decodes plainly, as a row
+(``PLAIN_WHEN_SHARING``): the same tokens, and no solo tree step for the batch to wait on.
+
 Not here yet (``docs/design/batched-serving.md``): on the CPU, prefill blocks as rows of the batched
 forward (they run as their own forward between steps); speculative trees inside the batch (on CUDA a tree
 step is host-driven on its slot, without the self-feeding tree chains, which is why CUDA batches only when
@@ -92,6 +95,12 @@ loop does not: there a step costs tens of milliseconds and every row costs compu
 WAKE_EVERY = 4
 """Tokens decoded ahead (``LOOKAHEAD``) that wake a waiting consumer: its stream then gets them four at a time
 (~4 steps, a few milliseconds on a GPU) instead of one thread switch per token."""
+PLAIN_WHEN_SHARING = 1
+"""A greedy speculative generation admitted while at least this many others hold slots decodes plainly, as a
+row of the shared forward: its tokens are the same (greedy speculative decoding is token-identical to
+vanilla decoding), and a row costs the batch little where a solo tree step makes every other row wait for it
+(on the 2-core CPU a tree step costs ~75 ms and serving four speculative requests at once ran no faster than
+one, BENCHMARKS §22). Sampled generations keep their trees: their seeded draws depend on the steps taken."""
 RESERVE_AHEAD = 512
 """Positions past a generation's offset zeroed before its solo work (``SlotPool.reserve``): more than
 any prefill chunk's or tree's reach within one step."""
@@ -129,6 +138,8 @@ class Batcher:
         self._cuda = engine.model.device.type == "cuda"
         self._min_rows = 1 if self._cuda else 2
         self.lookahead = LOOKAHEAD if self._cuda else 0  # settable: tests run it on the CPU
+        self.plain_when_sharing: int | None = PLAIN_WHEN_SHARING  # None: speculative requests always draft
+        self.plain_rows = 0  # greedy speculative generations decoded plainly because they shared the batch
         self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
         self.prefill_rows = 0  # prompt blocks prefilled as rows of a shared forward (CUDA)
         self._warm_lock = threading.Lock()
@@ -451,14 +462,27 @@ class Batcher:
         held = Counter(r.tenant for r in list(self._slot))
         tree_held = any(r.mode != "vanilla" for r in list(self._slot))
         while self._free and waiting:
-            ready = [r for r in waiting if not (one_tree and tree_held and r.mode != "vanilla")]
+            ready = [r for r in waiting
+                     if not (one_tree and tree_held and r.mode != "vanilla" and not self._goes_plain(r))]
             if not ready:
                 return
             run = min(ready, key=lambda r: held[r.tenant])  # min keeps the earliest of equals
             waiting.remove(run)
+            if self._goes_plain(run):
+                run.mode = run.timing.mode = "vanilla"
+                run.policy = None
+                self.plain_rows += 1
             held[run.tenant] += 1
             tree_held = tree_held or run.mode != "vanilla"
             self._slot[run] = self._free.pop()
+
+    def _goes_plain(self, run: _Run) -> bool:
+        """Whether a newcomer admitted now decodes plainly (``PLAIN_WHEN_SHARING``; called under the lock).
+
+        Decided once, at admission, before its decoder exists: the same tokens either way, and its result
+        says "vanilla", the mode it decoded in (a replay compares tokens, which do not change)."""
+        return (self.plain_when_sharing is not None and run.mode == "speculative" and run.params.greedy
+                and len(self._slot) >= self.plain_when_sharing)
 
     def _execute(self, work: list[_Run]) -> set[_Run]:
         """Run this iteration's work; return the new generations whose prefill is only partly done."""

@@ -520,3 +520,55 @@ def test_decoding_ahead_of_slow_consumers_keeps_their_output(batched, mt_bench_p
     while batcher.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert batcher.running == 0 and batcher.waiting == 0
+
+
+def test_greedy_speculative_generations_sharing_the_batch_decode_plainly(batched, mt_bench_prompts):
+    """A greedy speculative generation admitted while another holds a slot decodes as a row of the shared
+    forward (``PLAIN_WHEN_SHARING``), with exactly the tokens speculative decoding gives it alone; one that
+    is alone keeps drafting, a sampled one keeps its trees (its seeded draws depend on them), and with the
+    setting off every speculative request drafts."""
+    engine, batcher = batched, batched.batcher
+    greedy = SamplingParams(max_tokens=24)
+    sampled = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.95, seed=5)
+    prompts = [p[:300] for p in mt_bench_prompts[40:43]]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, greedy, mode="speculative").token_ids for p in prompts]
+        solo_sampled = engine.generate(prompts[1], sampled, mode="speculative").token_ids
+    finally:
+        engine.batcher = batcher
+    first = engine.stream(prompts[0], greedy, mode="speculative")
+    it = iter(first)
+    head = list(next(it).token_ids)  # alone in the batch: it keeps its trees, and holds its slot
+    assert first.mode == "speculative"
+    plain_before, rows_before = batcher.plain_rows, batcher.batched_rows
+    got: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        got[i] = engine.generate(prompts[i], greedy, mode="speculative")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i].mode for i in (1, 2)] == ["vanilla", "vanilla"]  # type: ignore[attr-defined]
+    assert [got[i].token_ids for i in (1, 2)] == solo[1:]  # type: ignore[attr-defined]
+    assert batcher.plain_rows == plain_before + 2 and batcher.batched_rows > rows_before
+    rest = [t for chunk in it for t in chunk.token_ids]
+    assert tuple(head + rest) == solo[0] and first.result.mode == "speculative"
+    # Beside a vanilla generation (heads with a drafting cache admit one tree at a time, so not beside
+    # ``first``): a sampled request keeps its trees, and with the setting off a greedy one does too.
+    holder = engine.stream(prompts[0], greedy, mode="vanilla")
+    held = iter(holder)
+    next(held)
+    try:
+        kept = engine.generate(prompts[1], sampled, mode="speculative")
+        assert kept.mode == "speculative" and kept.token_ids == solo_sampled
+        batcher.plain_when_sharing = None
+        drafting = engine.generate(prompts[2], greedy, mode="speculative")
+        assert drafting.mode == "speculative" and drafting.token_ids == solo[2]
+    finally:
+        batcher.plain_when_sharing = 1
+        holder.close()
+    assert batcher.running == 0
