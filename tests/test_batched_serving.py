@@ -13,6 +13,7 @@ import collections
 import logging
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -400,10 +401,14 @@ def test_a_long_prompt_is_prefilled_between_the_running_generations_steps(batche
 
 
 class _Waiting:
-    """What admission reads of a generation: its tenant, its mode and whether it was cancelled."""
+    """What admission reads of a generation: its tenant, its mode, its sampling (a greedy speculative one
+    decodes plainly when it shares the batch) and whether it was cancelled."""
 
-    def __init__(self, name: str, tenant: str | None, mode: str = "vanilla") -> None:
+    def __init__(self, name: str, tenant: str | None, mode: str = "vanilla", *, greedy: bool = False) -> None:
         self.name, self.tenant, self.mode, self._cancel = name, tenant, mode, False
+        self.params = SamplingParams() if greedy else SamplingParams(temperature=0.7, seed=1)
+        self.timing = types.SimpleNamespace(mode=mode)
+        self.policy = None
 
     def __repr__(self) -> str:
         return self.name
@@ -448,6 +453,12 @@ def test_one_tree_at_a_time_does_not_block_the_queue_behind_it(engine):
             batcher._wanted[run] = None  # type: ignore[index]
         batcher._admit()
         assert list(batcher._slot) == [runs[0], runs[2]]  # t1 waits for the tree; v does not wait for t1
+        # A greedy speculative newcomer does not wait for the tree either: sharing the batch, it goes plain.
+        plain = _Waiting("g", "x", "speculative", greedy=True)
+        batcher._wanted[plain] = None  # type: ignore[index]
+        batcher.release(runs[2])  # type: ignore[arg-type]
+        batcher._admit()
+        assert list(batcher._slot) == [runs[0], plain] and plain.mode == "vanilla" == plain.timing.mode
     finally:
         engine.runner.drafter_cache = saved
 
