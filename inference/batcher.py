@@ -32,7 +32,9 @@ Work that needs the model but is not a generation (``Engine.hidden_states``) run
 between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 
 On CUDA the loop also decodes vanilla generations up to ``LOOKAHEAD`` tokens ahead of their consumers,
-whose threads would otherwise set its pace.
+whose threads would otherwise set its pace, runs a batch whose rows all decode greedily as a chain of
+``CHAIN_STEPS`` steps in one graph replay (the picks fed back on the device), and prefills a newcomer's
+consecutive prompt blocks as rows of one forward.
 
 A greedy speculative generation admitted while others hold slots decodes plainly, as a row
 (``PLAIN_WHEN_SHARING``): the same tokens, and no solo tree step for the batch to wait on.
@@ -95,6 +97,14 @@ loop does not: there a step costs tens of milliseconds and every row costs compu
 WAKE_EVERY = 4
 """Tokens decoded ahead (``LOOKAHEAD``) that wake a waiting consumer: its stream then gets them four at a time
 (~4 steps, a few milliseconds on a GPU) instead of one thread switch per token."""
+CHAIN_STEPS = 4
+"""Steps the CUDA loop runs in one replay when every row of its batch decodes greedily with room for them
+(``BatchedCudaStep.decode_greedy``): each step's tokens go back in on the device, so the host stages the
+batch, reads it back and takes the GIL from the consumers once per four tokens instead of every token. The
+same tokens (rows are independent and greedy picks the argmax either way); a row may end up to
+``CHAIN_STEPS - 1`` tokens past ``LOOKAHEAD``, and tokens past an end of sequence or a stop are dropped as
+for any token decoded ahead. A batch with a sampled or grammar-constrained row takes single steps. Off (1)
+on the CPU, where a step is compute and chaining saves nothing."""
 PLAIN_WHEN_SHARING = 1
 """A greedy speculative generation admitted while at least this many others hold slots decodes plainly, as a
 row of the shared forward: its tokens are the same (greedy speculative decoding is token-identical to
@@ -138,6 +148,8 @@ class Batcher:
         self._cuda = engine.model.device.type == "cuda"
         self._min_rows = 1 if self._cuda else 2
         self.lookahead = LOOKAHEAD if self._cuda else 0  # settable: tests run it on the CPU
+        self.chain_steps = CHAIN_STEPS if self._cuda else 1  # settable, like lookahead
+        self.chained_steps = 0  # batched steps run inside greedy chains (metrics, tests)
         self.plain_when_sharing: int | None = PLAIN_WHEN_SHARING  # None: speculative requests always draft
         self.plain_rows = 0  # greedy speculative generations decoded plainly because they shared the batch
         self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
@@ -203,7 +215,7 @@ class Batcher:
                 runner = self.engine.runner
                 buckets = runner.buckets if isinstance(runner, CudaGraphRunner) else ()
                 step = BatchedCudaStep(self.engine.model, self.pool, self.slots, graphs=self._compiled,
-                                       node_buckets=buckets, block=PREFILL_CHUNK)
+                                       node_buckets=buckets, block=PREFILL_CHUNK, chain=self.chain_steps)
                 step.warm_up()
             else:
                 step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled,
@@ -392,7 +404,13 @@ class Batcher:
         """CUDA: the newcomers' next prompt blocks as rows of one forward (``BatchedCudaStep.prefill``),
         round after round while ``budget`` (blocks; None: no limit) lasts. Their decoders' ``prefill``
         then finds the blocks done (``ForwardRunner.partial``). Returns the budget left and the runs whose
-        prefill started in this call."""
+        prefill started in this call.
+
+        A round takes each newcomer's next block, then each one's block after that, and so on, up to the
+        forward's rows: consecutive blocks of one prompt share a forward, because each layer writes every
+        row's keys before any row attends (``pool_forward``), so a later block sees the earlier ones'. A
+        two-block prompt then costs one replay, not two (prompt prefills were a quarter of the wall at 32
+        concurrent, BENCHMARKS §21c)."""
         step = cast("BatchedCudaStep", self._step)
         started = time.perf_counter()
         fresh = {r for r in new if r not in self._partial}
@@ -402,13 +420,18 @@ class Batcher:
                 run.timing.gate_at = started  # its prefill starts now, whatever its pieces
         chunk, most = step.block, step.max_prefill_blocks
         while budget is None or budget > 0:
-            ready = [(r, p) for r, p in partials if p.left > 0 and step.fits_prefill(p.done)]
-            group = ready[:most if budget is None else min(budget, most)]
-            if not group:
+            rows = most if budget is None else min(budget, most)
+            picked: list[tuple[int, int]] = []  # (newcomer, a block's first position)
+            for depth in range(rows):
+                for i, (_, partial) in enumerate(partials):
+                    at = partial.done + depth * chunk
+                    if len(picked) < rows and at < len(partial.ids) and step.fits_prefill(at):
+                        picked.append((i, at))
+            if not picked:
                 break
-            hidden = step.prefill([(self._work_slots[r], p.ids[p.done:p.done + chunk], p.done)
-                                   for r, p in group])
-            for (_, partial), h in zip(group, hidden, strict=True):
+            group = [(*partials[i], at) for i, at in sorted(picked)]  # a prompt's blocks in order
+            hidden = step.prefill([(self._work_slots[r], p.ids[at:at + chunk], at) for r, p, at in group])
+            for (_, partial, _), h in zip(group, hidden, strict=True):
                 partial.parts.append(h)
                 partial.done += h.shape[0]
             self.prefill_rows += len(group)
@@ -556,12 +579,30 @@ class Batcher:
         rows = [r for r, _ in batch]
         decoders = [d for _, d in batch]
         start = time.perf_counter()
+        steps = self._chain_length(batch)
+        if steps > 1:
+            chains = self._step.decode_greedy([d.pending for d in decoders], [d.offset for d in decoders],
+                                              [self._work_slots[r] for r in rows], steps)
+            self._count_batch(len(rows), steps)
+            self.chained_steps += steps
+            taking = time.perf_counter()
+            self.busy_s["batched_step"] += taking - start
+            for run, decoder, chain in zip(rows, decoders, chains, strict=True):
+                try:
+                    # Up to its max_tokens and its end of sequence: the rest were decoded past its end
+                    # (their keys lie past its output, in a slot it leaves when it finishes).
+                    eos = run.engine.tokenizer.eos_ids
+                    for token in chain[:max(1, run.params.max_tokens - 1 - decoder.steps)]:
+                        run._take_row(None, token, start)
+                        if token in eos:
+                            break
+                except BaseException as exc:
+                    run._error = exc
+            self.busy_s["take_rows"] += time.perf_counter() - taking
+            return deferred
         logits, greedy = self._step.decode([d.pending for d in decoders], [d.offset for d in decoders],
                                            [self._work_slots[r] for r in rows])
-        self.batched_steps += 1
-        self.batched_rows += len(rows)
-        self.last_batch = len(rows)
-        self.largest_batch = max(self.largest_batch, len(rows))
+        self._count_batch(len(rows), 1)
         picks = greedy if isinstance(greedy, list) else greedy.tolist()  # one read-back, not one per row
         taking = time.perf_counter()
         self.busy_s["batched_step"] += taking - start
@@ -573,6 +614,25 @@ class Batcher:
                     run._error = exc
         self.busy_s["take_rows"] += time.perf_counter() - taking
         return deferred
+
+    def _count_batch(self, rows: int, steps: int) -> None:
+        self.batched_steps += steps
+        self.batched_rows += rows * steps
+        self.last_batch = rows
+        self.largest_batch = max(self.largest_batch, rows)
+
+    def _chain_length(self, batch: list[tuple[_Run, VanillaDecoder]]) -> int:
+        """``chain_steps`` if every row of ``batch`` picks greedily (no grammar) and its slot has room for
+        that many more positions, else 1 (a shorter chain would be a graph of its own). A row with fewer
+        tokens left to its ``max_tokens`` rides along and keeps only those: at 32 rows of 128 tokens some
+        row is almost always within a few tokens of its end."""
+        steps = self.chain_steps
+        if steps <= 1:
+            return 1
+        for run, decoder in batch:
+            if not decoder.greedy or decoder.offset + steps > run.engine.context_length:
+                return 1
+        return steps
 
 
 def _batchable(run: _Run) -> bool:

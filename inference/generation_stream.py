@@ -199,7 +199,7 @@ class _Run:
             tokens, record = self._decoder.step(room)
         self._produced.append((tokens, record, time.perf_counter()))
 
-    def _take_row(self, logits: torch.Tensor, greedy: int, start: float) -> None:
+    def _take_row(self, logits: torch.Tensor | None, greedy: int, start: float) -> None:
         """Finish a step that ran as one row of the batcher's shared forward."""
         decoder = self._decoder
         if decoder is None:  # closed from another thread while its row was in the forward

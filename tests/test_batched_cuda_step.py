@@ -219,3 +219,75 @@ def test_prefill_rows_are_each_prompts_own_blocks() -> None:
         step.prefill([(0, [1, 2], 150)])  # its block would write past the slot
     with pytest.raises(ValueError, match="1 to 8 blocks"):
         step.prefill([])
+
+
+
+def test_a_prompts_consecutive_blocks_share_one_prefill_forward() -> None:
+    """A 150-token prompt's three blocks and another prompt's only block in one ``prefill`` call: each layer
+    writes every row's keys before any row attends, so a later block of the same prompt sees the earlier
+    blocks' keys of that very forward, and the result is the prompt's one-sequence prefill (hidden states
+    and cache) as if its blocks had been prefilled one call after another."""
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
+    from elesium.inference.runtime.fused import fused_forward
+    from elesium.inference.runtime.slot_pool import SlotPool
+
+    model = _model(torch.float32)
+    c = model.config
+    g = torch.Generator().manual_seed(12)
+    pool = SlotPool(c, 4, 224, torch.device("cpu"), torch.float32)
+    step = BatchedCudaStep(model, pool, rows=2, graphs=False, block=64)
+    ids = torch.randint(0, c.vocab_size, (150,), generator=g).tolist()
+    other = torch.randint(0, c.vocab_size, (40,), generator=g).tolist()
+    hidden = step.prefill([(1, ids[:64], 0), (3, other, 0), (1, ids[64:128], 64), (1, ids[128:], 128)])
+    for prompt, slot, got in ((ids, 1, torch.cat([hidden[0], hidden[2], hidden[3]])), (other, 3, hidden[1])):
+        own = model.new_cache(224)
+        ref = fused_forward(model, torch.tensor([prompt]), torch.arange(len(prompt)), own, 0,
+                            model.causal(len(prompt)))[0]
+        n = len(prompt)
+        assert got.shape == (n, c.hidden_size) and rel_err(got, ref) < TOL[torch.float32]
+        assert rel_err(pool.k[slot, :, 0, :, :n], own.k[:, 0, :, :n]) < TOL[torch.float32]
+        assert rel_err(pool.v[slot, :, 0, :, :n], own.v[:, 0, :, :n]) < TOL[torch.float32]
+
+def test_greedy_chain_is_its_steps_one_after_another() -> None:
+    """``decode_greedy`` (eager on the CPU, one graph replay on CUDA): three sequences at positions 0, 5 and
+    70 of pool slots 2, 0, 3, chained for 5 steps, get the greedy tokens and the keys and values of five
+    ``decode`` calls, each fed the last call's picks; a batch past the largest bucket chains eagerly with the
+    same result, and a chain that would run past the slot is refused before anything is written."""
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
+    from elesium.inference.runtime.slot_pool import SlotPool
+
+    model = _model(torch.float32)
+    c = model.config
+    g = torch.Generator().manual_seed(8)
+    # Untied: with the embeddings as its output a random model's greedy pick is its input token, and a chain
+    # that fed the first tokens back again would pass.
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(c.vocab_size, c.hidden_size, generator=g),
+                                              requires_grad=False)
+    lengths, slots = [0, 5, 70], [2, 0, 3]
+    pool = SlotPool(c, 5, 96, torch.device("cpu"), torch.float32)
+    for n, slot in zip(lengths, slots, strict=True):
+        pool.reserve(slot, pool.max_len)
+        if n:
+            model(torch.randint(0, c.vocab_size, (1, n), generator=g), torch.arange(n), pool.cache(slot), 0)
+    first = torch.randint(0, c.vocab_size, (3,), generator=g).tolist()
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    step = BatchedCudaStep(model, pool, rows=2, graphs=False)  # buckets (1, 2): three rows chain eagerly
+    tokens, offsets, picks = list(first), list(lengths), [[] for _ in slots]
+    for _ in range(5):
+        _, greedy = step.decode(tokens, offsets, slots)
+        for row, token in zip(picks, greedy, strict=True):
+            row.append(token)
+        tokens, offsets = greedy, [o + 1 for o in offsets]
+    stepped_k, stepped_v = pool.k.clone(), pool.v.clone()
+    pool.k.copy_(before_k)
+    pool.v.copy_(before_v)
+    chained = step.decode_greedy(first, lengths, slots, 5)
+    assert chained == picks
+    assert sum(len(set(row)) > 2 for row in picks) >= 2, f"rows repeat their tokens: too weak a test {picks}"
+    assert torch.equal(pool.k[slots], stepped_k[slots]) and torch.equal(pool.v[slots], stepped_v[slots])
+    two = step.decode_greedy(first[:2], lengths[:2], slots[:2], 5)  # within a bucket: the same body
+    assert two == picks[:2]
+    with pytest.raises(ValueError, match="past the slot"):
+        step.decode_greedy([1], [92], [1], 5)
+    with pytest.raises(ValueError, match="1 or more steps"):
+        step.decode_greedy([1], [0], [1], 0)

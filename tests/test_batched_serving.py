@@ -533,6 +533,63 @@ def test_decoding_ahead_of_slow_consumers_keeps_their_output(batched, mt_bench_p
     assert batcher.running == 0 and batcher.waiting == 0
 
 
+
+def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_prompts):
+    """With chains on (CUDA's default ``CHAIN_STEPS``, here on the CPU step) the loop runs several greedy
+    steps per batch, each step's picks fed back as the next step's input: every generation still gets its
+    solo tokens and step records, one whose ``max_tokens`` is not a multiple of the chain keeps exactly that
+    many, a stop string ends the output where it ends alone, and a sampled generation in the batch (its
+    tokens need the host's draw) makes the batch take single steps until it leaves."""
+    engine, batcher = batched, batched.batcher
+    prompts = mt_bench_prompts[44:49]
+    greedy = SamplingParams(max_tokens=22, temperature=0.0)
+    short = SamplingParams(max_tokens=7, temperature=0.0)
+    sampled = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, seed=3)
+    engine.batcher = None
+    try:
+        plain = engine.generate(prompts[2], greedy, mode="vanilla")
+        stop_text = next(t for t in (engine.tokenizer.decode(list(plain.token_ids[i:i + 2]))
+                                     for i in range(9, 20)) if t.strip())
+        stopping = SamplingParams(max_tokens=22, temperature=0.0, stop=(stop_text,))
+        cases = [greedy, short, stopping, sampled, greedy]
+        solo = [engine.generate(p, q, mode="vanilla") for p, q in zip(prompts, cases, strict=True)]
+    finally:
+        engine.batcher = batcher
+    assert solo[2].finish_reason == "stop" and len(solo[1].token_ids) == 7
+    chained_before = batcher.chained_steps
+    batcher.lookahead, batcher.chain_steps = 8, 4
+    got: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            with engine.stream(prompts[i], cases[i], mode="vanilla") as stream:
+                for _ in stream:
+                    time.sleep(0.02)
+                got[i] = stream.result
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        batcher.lookahead, batcher.chain_steps = 0, 1
+    assert not errors, errors
+    assert batcher.chained_steps > chained_before, "no batch ran as a chain"
+    for i, alone in enumerate(solo):
+        result = got[i]
+        assert result.token_ids == alone.token_ids, i  # type: ignore[attr-defined]
+        assert result.text == alone.text and result.finish_reason == alone.finish_reason, i  # type: ignore[attr-defined]
+        assert [s.tokens for s in result.steps] == [s.tokens for s in alone.steps], i  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while batcher.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher.running == 0 and batcher.waiting == 0
+
 def test_greedy_speculative_generations_sharing_the_batch_decode_plainly(batched, mt_bench_prompts):
     """A greedy speculative generation admitted while another holds a slot decodes as a row of the shared
     forward (``PLAIN_WHEN_SHARING``), with exactly the tokens speculative decoding gives it alone; one that

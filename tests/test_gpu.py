@@ -698,6 +698,79 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     assert batcher.prefill_rows > 0, "the batcher never prefilled through the shared forward"
 
 
+
+def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None:
+    """``BatchedCudaStep.decode_greedy`` (``CHAIN_STEPS`` greedy steps in one graph replay, each step's picks
+    fed back on the device) gives three sequences the tokens and the keys and values of four single-step
+    replays, bitwise; and through the batcher six greedy generations with slow consumers, decoded in chains,
+    get their solo tokens (some with ``max_tokens`` not a multiple of the chain)."""
+    import threading
+    import time
+
+    from elesium.config import Settings
+    from elesium.inference.engine import Engine
+
+    settings = Settings.from_env().with_overrides(invariant_numerics="on", max_batch="8")
+    engine = Engine.load(device="cuda", dtype="bfloat16", settings=settings)
+    batcher = engine.batcher
+    assert batcher is not None and batcher.chain_steps > 1
+    prompts = [p[:60 + 70 * i] for i, p in enumerate(mt_bench_prompts[50:56])]
+    params = [SamplingParams(max_tokens=64 - 3 * i) for i in range(len(prompts))]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, q, mode="vanilla").token_ids for p, q in zip(prompts, params, strict=True)]
+    finally:
+        engine.batcher = batcher
+    engine.warm_up()
+    step, pool, runner = batcher._step, batcher.pool, engine.runner
+    assert step is not None
+    ids = [engine.encode_prompt(p) for p in prompts[:3]]
+    slots = [2, 0, 5]
+    with torch.inference_mode():
+        for x, slot in zip(ids, slots, strict=True):
+            pool.reserve(slot, pool.max_len)
+            runner.cache = pool.cache(slot)
+            try:
+                runner.prefill(x[:-1])
+            finally:
+                runner.cache = engine.cache
+    k0, v0 = pool.k[slots].clone(), pool.v[slots].clone()
+    picks: list[list[int]] = [[], [], []]
+    tokens, offsets = [x[-1] for x in ids], [len(x) - 1 for x in ids]
+    for _ in range(batcher.chain_steps):
+        _, greedy = step.decode(tokens, offsets, slots)
+        for row, token in zip(picks, greedy, strict=True):
+            row.append(token)
+        tokens, offsets = greedy, [o + 1 for o in offsets]
+    stepped_k, stepped_v = pool.k[slots].clone(), pool.v[slots].clone()
+    pool.k[slots], pool.v[slots] = k0, v0
+    chained = step.decode_greedy([x[-1] for x in ids], [len(x) - 1 for x in ids], slots, batcher.chain_steps)
+    assert chained == picks
+    assert torch.equal(pool.k[slots], stepped_k) and torch.equal(pool.v[slots], stepped_v)
+    got: dict[int, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            time.sleep(0.01 * i)
+            with engine.stream(prompts[i], params[i], mode="vanilla") as stream:
+                for _ in stream:
+                    time.sleep(0.002)
+                got[i] = stream.result.token_ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    before = batcher.chained_steps
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert batcher.chained_steps > before, "no batch ran as a chain"
+    for i in range(len(prompts)):
+        assert got[i] == solo[i], (i, _diverge(got[i], solo[i]))
+
 def test_batched_cuda_deadline_drops_what_was_decoded_ahead(mt_bench_prompts) -> None:
     """Deadlines on CUDA, where the step loop decodes up to ``LOOKAHEAD`` tokens ahead of a consumer: three
     generations whose consumers stop asking after a few tokens are cut at their deadline with exactly the

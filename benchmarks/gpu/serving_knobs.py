@@ -3,7 +3,8 @@
 Why: at 32 concurrent the loop's batched step costs ~2.0 ms for ~29 rows against ~1.37 ms of GPU work
 (BENCHMARKS §19, §21), and each consumer's wake-up is a thread switch under the GIL. ``LOOKAHEAD`` (tokens
 decoded before a consumer asks), ``WAKE_EVERY`` (tokens that wake a waiting consumer) and
-``CUDA_PREFILL_FACTOR`` (prompt blocks per iteration while others decode) trade host work for latency.
+``CUDA_PREFILL_FACTOR`` (prompt blocks per iteration while others decode) trade host work for latency, and
+``CHAIN_STEPS`` (greedy steps per graph replay, fed back on the device) cuts the host work per token.
 This loads the engine once and runs each setting at 32 and 64 concurrent, 256 requests a level, in
 interleaved repetitions (A B C A B C), and reports each setting's median tokens/s beside the engine's
 own concurrency-1 rate measured in the same process.
@@ -27,11 +28,11 @@ import serving  # noqa: E402  (benchmarks/serving.py: the same requests and summ
 from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
-SETTINGS = [  # (LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR); the first is the shipped one
-    (8, 4, 8),
-    (16, 8, 8),
-    (32, 16, 8),
-    (16, 8, 16),
+SETTINGS = [  # (LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS); the second is the shipped one
+    (8, 4, 8, 1),  # before greedy chains (BENCHMARKS §21)
+    (8, 4, 8, 4),
+    (16, 8, 8, 8),
+    (16, 8, 16, 4),
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -54,36 +55,50 @@ def main() -> int:
         summary["step_loop"] = serving.loop_delta(before, serving.loop_counters(engine))
         return summary
 
-    solo = level(1, 64)
-    print(f"concurrency 1: {solo['aggregate_tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    step = batcher._step
+    assert step is not None and hasattr(step, "decode_greedy")
+    for chain in {s[3] for s in SETTINGS if s[3] > 1}:  # captured now, not inside a timed level
+        for bucket in step.buckets:
+            step._chain_graph(bucket, chain)
+    solos = {}
+    for chain in (1, batcher.chain_steps):
+        batcher.chain_steps = chain
+        solos[chain] = level(1, 64)
+        rate = solos[chain]["aggregate_tokens_per_s"]
+        print(f"concurrency 1, chain {chain}: {rate:.0f} tok/s", file=sys.stderr)
+    solo = solos[1]  # the baseline: one sequence, one step per replay
     runs: list[dict[str, Any]] = []
     for rep in range(REPS):
-        for lookahead, wake, prefill in SETTINGS:
+        for lookahead, wake, prefill, chain in SETTINGS:
             batcher.lookahead = lookahead
+            batcher.chain_steps = chain
             batcher_module.WAKE_EVERY = wake
             batcher_module.CUDA_PREFILL_FACTOR = prefill
             for c in LEVELS:
                 lv = level(c, REQUESTS)
-                knobs = {"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill}
+                knobs = {"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill,
+                         "chain": chain}
                 runs.append({"rep": rep, **knobs, **lv})
-                print(f"rep {rep} lookahead {lookahead} wake {wake} prefill {prefill} c {c}: "
+                print(f"rep {rep} lookahead {lookahead} wake {wake} prefill {prefill} chain {chain} c {c}: "
                       f"{lv['aggregate_tokens_per_s']:.0f} tok/s, ITL p99 {1e3 * lv['itl_s']['p99']:.1f} ms, "
                       f"ms/step {lv['step_loop'].get('ms_per_batched_step', 0):.2f}", file=sys.stderr)
     table = []
-    for lookahead, wake, prefill in SETTINGS:
+    for lookahead, wake, prefill, chain in SETTINGS:
         for c in LEVELS:
-            key = (lookahead, wake, prefill, c)
-            mine = [r for r in runs
-                    if (r["lookahead"], r["wake_every"], r["prefill_factor"], r["concurrency"]) == key]
+            key = (lookahead, wake, prefill, chain, c)
+            mine = [r for r in runs if (r["lookahead"], r["wake_every"], r["prefill_factor"], r["chain"],
+                                        r["concurrency"]) == key]
             rate = statistics.median(r["aggregate_tokens_per_s"] for r in mine)
             table.append({"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill,
+                          "chain": chain,
                           "concurrency": c, "median_tokens_per_s": rate,
                           "x_concurrency_1": rate / solo["aggregate_tokens_per_s"],
                           "itl_p99_ms": statistics.median(1e3 * r["itl_s"]["p99"] for r in mine),
                           "ttft_p50_ms": statistics.median(1e3 * r["ttft_s"]["p50"] for r in mine)})
             print(json.dumps(table[-1]))
     out.write_text(json.dumps({"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "engine": engine.describe(), "solo": solo, "table": table, "runs": runs},
+                               "engine": engine.describe(), "solo": solo,
+                               "solo_by_chain": solos, "table": table, "runs": runs},
                               indent=1, default=str) + "\n")
     return 0
 

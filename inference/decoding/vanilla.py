@@ -55,7 +55,7 @@ class VanillaDecoder:
         """One token. ``room``: cache slots left; with ``max_tokens`` it bounds how far a chain
         may run ahead of what the caller will take."""
         start = time.perf_counter()
-        greedy = self.params.greedy and self.grammar is None
+        greedy = self.greedy
         # Tokens still wanted after the prefill's and the earlier steps' (a stop may end it sooner).
         wanted = max(1, min(room, self.params.max_tokens - 1 - self.steps))
         if self.grammar is None and not self._chain_tried:
@@ -73,11 +73,21 @@ class VanillaDecoder:
         """Whether this decoder's next step may be one row of a batched forward (not a device chain)."""
         return self._chain is None
 
-    def take(self, logits: torch.Tensor, greedy_token: int, start: float) -> tuple[list[int], StepRecord]:
+    @property
+    def greedy(self) -> bool:
+        """Whether each token is the argmax of its logits (so a forward's greedy pick is all it needs)."""
+        return self.params.greedy and self.grammar is None
+
+    def take(self, logits: torch.Tensor | None, greedy_token: int,
+             start: float) -> tuple[list[int], StepRecord]:
         """Finish a step whose forward ran elsewhere (alone, or as one row of a batch): the logits of the
-        pending token and their argmax. The same choice ``step`` makes, so a row's token is its solo token."""
-        greedy = self.params.greedy and self.grammar is None
-        return self._advance(greedy_token if greedy else self._choose(logits), start)
+        pending token and their argmax. The same choice ``step`` makes, so a row's token is its solo token.
+        A greedy decoder needs no logits (a chain of greedy steps on the device keeps none)."""
+        if self.greedy:
+            return self._advance(greedy_token, start)
+        if logits is None:
+            raise ValueError("a sampled or grammar-constrained step needs its logits")
+        return self._advance(self._choose(logits), start)
 
     def _advance(self, token: int, start: float) -> tuple[list[int], StepRecord]:
         self.offset += 1

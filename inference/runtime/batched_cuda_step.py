@@ -153,7 +153,9 @@ class BatchedCudaStep:
       (``node_buckets``, the engine's tree buckets): the one-sequence step's graphs are bound to the
       engine's own cache, so a generation's prefill and tree steps on its pool slot come here;
     * ``prefill``: one prompt block each of up to 8 sequences (``PREFILL_ROWS``), so that newcomers
-      arriving together are prefilled in one forward rather than one after another.
+      arriving together are prefilled in one forward rather than one after another;
+    * ``decode_greedy``: ``steps`` greedy tokens for each of ``B`` sequences in one replay, each step's
+      tokens fed back on the device (one graph per bucket of rows and number of steps).
 
     Unlike the CPU step it takes a batch of one as well. ``graphs=False`` runs the forwards eagerly (the
     reference in tests); so do batches past the largest bucket and node blocks that would write past
@@ -161,7 +163,7 @@ class BatchedCudaStep:
     """
 
     def __init__(self, model: Transformer, pool: SlotPool, rows: int, graphs: bool = True,
-                 node_buckets: tuple[int, ...] = (), block: int = 64) -> None:
+                 node_buckets: tuple[int, ...] = (), block: int = 64, chain: int = 1) -> None:
         self.model = model
         self.pool = pool
         self.scratch = pool.slots - 1  # the batcher's slot that no generation holds
@@ -174,6 +176,8 @@ class BatchedCudaStep:
         self._rows: dict[int, _Captured] = {}
         self._nodes: dict[int, _Captured] = {}
         self._prefills: dict[int, _Captured] = {}
+        self.chain = chain  # the steps of the greedy chains captured at warm-up (1: none)
+        self._chains: dict[tuple[int, int], _Captured] = {}
         self._mempool: Any = None  # the graphs share one memory pool (torch.cuda.graph_pool_handle)
         dev = model.device
         self._node_seq = torch.arange(self.buckets[-1], device=dev)
@@ -189,6 +193,9 @@ class BatchedCudaStep:
             self._node_graph(bucket)
         for bucket in PREFILL_ROWS:
             self._prefill_graph(bucket)
+        if self.chain > 1:
+            for bucket in self.buckets:
+                self._chain_graph(bucket, self.chain)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], offsets: list[int],
@@ -221,6 +228,72 @@ class BatchedCudaStep:
         # Wait with the GIL released: the consumers' threads run while the GPU works.
         torch.cuda.current_stream().synchronize()
         return logits[:b], greedy[:b].tolist()
+
+    @torch.inference_mode()
+    def decode_greedy(self, tokens: list[int], offsets: list[int], slots: list[int],
+                      steps: int) -> list[list[int]]:
+        """``steps`` greedy tokens for each row (row ``b``: sequence ``slots[b]``, its next input
+        ``tokens[b]`` at position ``offsets[b]``), each step's argmax fed back on the device as the next
+        step's input.
+
+        Why: at 32 rows a step's GPU work (~1.37 ms) is less than the loop's host work around it: staging,
+        the read-back, handing the rows their tokens, and the GIL taken back from 32 consumer threads
+        (~2.0 ms a step in serving, BENCHMARKS §21c). Chained, the host does that once per ``steps``
+        tokens. Exact: step ``j`` is ``decode``'s forward of the row's previous greedy token at
+        ``offsets[b] + j``, and a row's result does not depend on the other rows, so the tokens are the
+        ones ``steps`` calls of ``decode`` give. Every row needs room for ``steps`` positions.
+        """
+        b = len(tokens)
+        if not b == len(offsets) == len(slots) or b < 1 or steps < 1:
+            raise ValueError(f"a greedy chain takes 1 or more rows of equal length and 1 or more steps, got "
+                             f"{b} rows and {steps} steps")
+        pool = self.pool
+        if max(offsets) + steps > pool.max_len:
+            raise ValueError(f"a chain of {steps} steps from position {max(offsets)} ends past the slot's "
+                             f"{pool.max_len} positions")
+        for slot, offset in zip(slots, offsets, strict=True):
+            pool.reserve(slot, window_for(offset + steps, pool.max_len))
+        bucket = next((n for n in self.buckets if n >= b), None)
+        if bucket is None or not self.graphs:
+            inputs = torch.tensor([tokens, offsets, slots], device=self.model.device)
+            return self._chain_body(inputs, b, steps)().tolist()  # type: ignore[no-any-return]
+        captured = self._chain_graph(bucket, steps)
+        staging = captured.free_staging()
+        staging[0, :b] = torch.tensor(tokens)
+        staging[1, :b] = torch.tensor(offsets)
+        staging[2, :b] = torch.tensor(slots)
+        staging[:, b:] = torch.tensor([[0], [0], [self.scratch]])  # padding rows: the scratch slot
+        captured.replay()
+        picks: torch.Tensor = captured.out
+        torch.cuda.current_stream().synchronize()  # with the GIL released, as in ``decode``
+        return picks[:b].tolist()  # type: ignore[no-any-return]
+
+    def _chain_body(self, inputs: torch.Tensor, bucket: int, steps: int) -> Callable[[], torch.Tensor]:
+        """``steps`` batched forwards, each fed the last one's argmax: greedy tokens ``[bucket, steps]``."""
+        pool, model, dev = self.pool, self.model, self.model.device
+        # Its own: the eager path may hold more rows than the largest bucket (a graph keeps them with body).
+        node_seq, ones = torch.arange(bucket, device=dev), torch.ones(bucket, 1, dtype=torch.bool, device=dev)
+
+        def body() -> torch.Tensor:
+            tokens, at, slots = inputs[0][:, None], inputs[1], inputs[2]
+            picks = []
+            for _ in range(steps):
+                _, greedy = batched_cuda_forward(model, tokens, at, slots, node_seq, ones, pool.k, pool.v)
+                picks.append(greedy)
+                tokens, at = greedy[:, None], at + 1
+            return torch.stack(picks, 1)
+
+        return body
+
+    def _chain_graph(self, bucket: int, steps: int) -> _Captured:
+        captured = self._chains.get((bucket, steps))
+        if captured is None:
+            staging = torch.zeros(3, bucket, dtype=torch.long).pin_memory()
+            staging[2] = self.scratch
+            inputs = staging.to(self.model.device)
+            captured = self._chains[bucket, steps] = self._capture(staging, inputs,
+                                                                   self._chain_body(inputs, bucket, steps))
+        return captured
 
     @torch.inference_mode()
     def nodes(self, tokens: list[int], positions: list[int], offset: int, ancestors: torch.Tensor | None,

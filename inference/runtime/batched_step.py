@@ -124,3 +124,19 @@ class BatchedCpuStep:
         pool.k[rows, :, 0, :, at] = keys[:, :, :, 0].transpose(0, 1)
         pool.v[rows, :, 0, :, at] = values[:, :, :, 0].transpose(0, 1)
         return logits, greedy
+
+    def decode_greedy(self, tokens: list[int], offsets: list[int], slots: list[int],
+                      steps: int) -> list[list[int]]:
+        """``steps`` greedy tokens per row, each fed back as the row's next input: ``decode`` ``steps`` times.
+
+        The CUDA step runs such a chain in one replay (``BatchedCudaStep.decode_greedy``); here a step costs
+        tens of milliseconds of compute and chaining saves nothing, but the loop's chained path (and its
+        tests) run on the CPU the same way."""
+        picks: list[list[int]] = [[] for _ in tokens]
+        tokens, offsets = list(tokens), list(offsets)
+        for _ in range(steps):
+            _, greedy = self.decode(tokens, offsets, slots)
+            tokens, offsets = greedy.tolist(), [o + 1 for o in offsets]
+            for row, token in zip(picks, tokens, strict=True):
+                row.append(token)
+        return picks
