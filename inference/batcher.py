@@ -154,6 +154,7 @@ class Batcher:
         self.plain_rows = 0  # greedy speculative generations decoded plainly because they shared the batch
         self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
         self.prefill_rows = 0  # prompt blocks prefilled as rows of a shared forward (CUDA)
+        self.consecutive_blocks = True  # a prompt's next blocks join its first in one prefill forward (CUDA)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -422,7 +423,7 @@ class Batcher:
         while budget is None or budget > 0:
             rows = most if budget is None else min(budget, most)
             picked: list[tuple[int, int]] = []  # (newcomer, a block's first position)
-            for depth in range(rows):
+            for depth in range(rows if self.consecutive_blocks else 1):
                 for i, (_, partial) in enumerate(partials):
                     at = partial.done + depth * chunk
                     if len(picked) < rows and at < len(partial.ids) and step.fits_prefill(at):

@@ -28,11 +28,11 @@ import serving  # noqa: E402  (benchmarks/serving.py: the same requests and summ
 from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
-SETTINGS = [  # (LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS); the second is the shipped one
-    (8, 4, 8, 1),  # before greedy chains (BENCHMARKS §21)
-    (8, 4, 8, 4),
-    (16, 8, 8, 8),
-    (16, 8, 16, 4),
+SETTINGS = [  # (LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive prompt blocks together)
+    (8, 4, 8, 1, False),  # the code of BENCHMARKS §21
+    (8, 4, 8, 1, True),
+    (8, 4, 8, 4, True),  # shipped
+    (16, 8, 8, 8, True),
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -69,28 +69,30 @@ def main() -> int:
     solo = solos[1]  # the baseline: one sequence, one step per replay
     runs: list[dict[str, Any]] = []
     for rep in range(REPS):
-        for lookahead, wake, prefill, chain in SETTINGS:
+        for lookahead, wake, prefill, chain, consecutive in SETTINGS:
             batcher.lookahead = lookahead
             batcher.chain_steps = chain
+            batcher.consecutive_blocks = consecutive
             batcher_module.WAKE_EVERY = wake
             batcher_module.CUDA_PREFILL_FACTOR = prefill
             for c in LEVELS:
                 lv = level(c, REQUESTS)
                 knobs = {"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill,
-                         "chain": chain}
+                         "chain": chain, "consecutive_blocks": consecutive}
                 runs.append({"rep": rep, **knobs, **lv})
-                print(f"rep {rep} lookahead {lookahead} wake {wake} prefill {prefill} chain {chain} c {c}: "
+                print(f"rep {rep} lookahead {lookahead} wake {wake} prefill {prefill} chain {chain} "
+                      f"consecutive {consecutive} c {c}: "
                       f"{lv['aggregate_tokens_per_s']:.0f} tok/s, ITL p99 {1e3 * lv['itl_s']['p99']:.1f} ms, "
                       f"ms/step {lv['step_loop'].get('ms_per_batched_step', 0):.2f}", file=sys.stderr)
     table = []
-    for lookahead, wake, prefill, chain in SETTINGS:
+    for lookahead, wake, prefill, chain, consecutive in SETTINGS:
         for c in LEVELS:
-            key = (lookahead, wake, prefill, chain, c)
+            key = (lookahead, wake, prefill, chain, consecutive, c)
             mine = [r for r in runs if (r["lookahead"], r["wake_every"], r["prefill_factor"], r["chain"],
-                                        r["concurrency"]) == key]
+                                        r["consecutive_blocks"], r["concurrency"]) == key]
             rate = statistics.median(r["aggregate_tokens_per_s"] for r in mine)
             table.append({"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill,
-                          "chain": chain,
+                          "chain": chain, "consecutive_blocks": consecutive,
                           "concurrency": c, "median_tokens_per_s": rate,
                           "x_concurrency_1": rate / solo["aggregate_tokens_per_s"],
                           "itl_p99_ms": statistics.median(1e3 * r["itl_s"]["p99"] for r in mine),
