@@ -360,3 +360,34 @@ def test_worker_and_resume_see_the_projects_graphs(
     assert "unknown workflow 'ticket-triage'" in capsys.readouterr().err
     assert main(["resume", rid, "--no-config", "--value", '{"approved": "maybe"}']) == 1
     assert "invalid resume value for workflow 'ticket-triage'" in capsys.readouterr().err
+
+
+def test_eval_scores_a_projects_graph_on_the_authors_dataset(
+    project: Path, redis_url: str, engine: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``elesium eval --config`` runs one of the project's graphs on the author's own labelled rows, through
+    the API's run path like a built-in workflow; without the project the name is unknown (one line, exit 1,
+    nothing written)."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setattr("elesium.cli.commands.eval.load_engine", lambda args, **k: engine)
+    data = tmp_path / "reviews.jsonl"
+    rows = [{"id": "kettle", "split": "test", "input": REVIEW, "expected": {"words": "3"}},
+            {"id": "lamp", "split": "test", "input": {"product": "lamp", "text": "It broke after a day."},
+             "expected": {"words": "4"}}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "results.json"
+    code = main(["eval", "review-summary", "--config", str(project), "--dataset", str(data),
+                 "--out", str(out), "--json"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    doc = json.loads(out.read_text())
+    assert doc["workflow"] == "review-summary" and doc["summary"]["status"] == {"succeeded": 2}
+    for example in doc["examples"]:  # the project's rule counted the words the model wrote
+        assert isinstance(example["prediction"]["words"], int) and example["prediction"]["words"] > 0
+        assert example["tokens"] > 0 and example["run_ids"], example
+    assert doc["fields"]["words"]["n"] == 2
+    missing = tmp_path / "none.json"
+    assert main(["eval", "review-summary", "--no-config", "--dataset", str(data), "--out", str(missing)]) == 1
+    assert "unknown workflow 'review-summary'" in capsys.readouterr().err
+    assert not missing.exists()

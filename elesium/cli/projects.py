@@ -1,5 +1,5 @@
 """``--config langgraph.json``: which graphs ``serve``, ``dev``, ``run``, ``resume``, ``replay``,
-``workflows`` and ``worker`` see.
+``workflows``, ``worker`` and ``eval`` see.
 
 With ``--config FILE`` (or a directory holding ``langgraph.json``) they see exactly the graphs that file
 names, as ``langgraph dev`` does; without it, ``./langgraph.json`` when the working directory has one

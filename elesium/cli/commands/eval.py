@@ -8,7 +8,8 @@ and ``GET .../acceptance`` for each run's tokens and decode steps. So the queue,
 the checkpointer and the acceptance log are all in what is measured. By default the routes are those
 of an app that ``create_app`` builds in this process around the local engine and state server (the
 in-process ASGI client of Starlette, one private queue, tenant ``eval``); with ``--server URL`` they
-are a running ``elesium serve``'s.
+are a running ``elesium serve``'s. The workflow is one of the project's graphs with ``--config
+langgraph.json`` (or ``./langgraph.json``), else a built-in one, as for ``run`` and ``serve``.
 
 Everything that can be wrong with the request (the dataset file, a malformed line, the split, the
 workflow, an input or resume value that fails the workflow's schema, ``--field``, ``--out``'s
@@ -31,6 +32,7 @@ from typing import Any
 
 from elesium.cli.commands.common import add_model_args, add_state_args, load_engine, settings_from_args
 from elesium.cli.errors import CliError
+from elesium.cli.projects import add_config_args, load_project_env, registry_from_args
 from elesium.graphs import evaluation as ev
 
 MODES = ["vanilla", "speculative", "medusa", "typical"]
@@ -58,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     remote.add_argument("--api-key", default=None, help="the server's API key (default: $ELESIUM_API_KEY)")
     add_model_args(p)
     add_state_args(p)
+    add_config_args(p)
     p.set_defaults(handler=run)
 
 
@@ -90,9 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--seed must be >= 0, got {args.seed}")
     if args.server:
         return _run_remote(args)
-    from elesium.graphs.workflows import default_registry
-
-    registry = default_registry()
+    load_project_env(args)
+    registry = registry_from_args(args)  # the project's graphs (--config, ./langgraph.json) or the built-ins
     workflow = registry.get(args.workflow)  # UnknownWorkflowError: one line
     plan = make_plan(args)
     validate_examples(plan, workflow)
