@@ -134,6 +134,12 @@ class Metrics:
         rows = Gauge("elesium_engine_batched_rows", "Rows carried by the batched forwards since start",
                      registry=r)
         batch = Gauge("elesium_engine_batch_size", "Rows of the last batched forward", registry=r)
+        chained = Gauge("elesium_engine_chained_steps", "Batched forwards run inside greedy chains since "
+                        "start (CUDA: several steps per graph replay, picks fed back on the device)",
+                        registry=r)
+        ahead = Gauge("elesium_engine_ahead_rows", "Rows decoded before their consumer asked for them since "
+                      "start (CUDA's lookahead; tokens past a stop or a close among them are dropped)",
+                      registry=r)
         busy = Gauge("elesium_engine_loop_seconds", "Seconds the step loop spent on each kind of work since "
                      "start (gather: waiting for running generations to ask for their next step; "
                      "batched_step: the shared forward; take_rows: its tokens handed to the generations)",
@@ -154,6 +160,8 @@ class Metrics:
             steps.labels("solo").set_function(lambda: float(batcher.solo_steps))
             rows.set_function(lambda: float(batcher.batched_rows))
             batch.set_function(lambda: float(batcher.last_batch))
+            chained.set_function(lambda: float(batcher.chained_steps))
+            ahead.set_function(lambda: float(batcher.ahead_rows))
             for kind in batcher.busy_s:
                 busy.labels(kind).set_function(functools.partial(_read, batcher.busy_s, kind))
         if engine is not None and hasattr(engine, "hidden_memo_hits"):

@@ -147,6 +147,8 @@ def test_metrics(api_server):
         "elesium_spec_decode_num_accepted_tokens_total",
         "elesium_checkpoint_write_seconds",
         "elesium_engine_queue_depth",
+        "elesium_engine_chained_steps",
+        "elesium_engine_ahead_rows",
         "elesium_prefix_cache_queries",
         "elesium_prefix_cache_hits",
     ):
