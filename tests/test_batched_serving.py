@@ -10,10 +10,12 @@ speculative; a closed generation leaves at the next step and frees its slot.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -475,6 +477,15 @@ def test_the_tenant_reaches_the_generation(engine):
         assert [c for c in stream]
 
 
+
+def _stopping(engine: Any, prompt: str, params: SamplingParams, first: int) -> SamplingParams:
+    """``params`` with a stop string that ends ``prompt``'s output alone inside its first 20 tokens: the first
+    two tokens from ``first`` on that decode to visible text (call it with the batcher off)."""
+    plain = engine.generate(prompt, params, mode="vanilla")
+    stop = next(t for t in (engine.tokenizer.decode(list(plain.token_ids[i:i + 2])) for i in range(first, 20))
+                if t.strip())
+    return dataclasses.replace(params, stop=(stop,))
+
 def test_decoding_ahead_of_slow_consumers_keeps_their_output(batched, mt_bench_prompts):
     """With ``lookahead`` on (CUDA's default, here on the CPU step) the loop decodes rows before their slow
     consumers ask: each generation still gets its solo tokens and step records, greedy and seeded, a stop
@@ -486,10 +497,7 @@ def test_decoding_ahead_of_slow_consumers_keeps_their_output(batched, mt_bench_p
     sampled = SamplingParams(max_tokens=24, temperature=0.7, top_p=0.95, seed=11)
     engine.batcher = None
     try:
-        plain = engine.generate(prompts[2], greedy, mode="vanilla")
-        stop_text = next(t for t in (engine.tokenizer.decode(list(plain.token_ids[i:i + 2]))
-                                     for i in range(6, 20)) if t.strip())
-        stopping = SamplingParams(max_tokens=24, temperature=0.0, stop=(stop_text,))
+        stopping = _stopping(engine, prompts[2], greedy, 6)
         cases = [greedy, sampled, stopping, greedy]
         solo = [engine.generate(p, q, mode="vanilla") for p, q in zip(prompts, cases, strict=True)]
     finally:
@@ -547,10 +555,7 @@ def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_promp
     sampled = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, seed=3)
     engine.batcher = None
     try:
-        plain = engine.generate(prompts[2], greedy, mode="vanilla")
-        stop_text = next(t for t in (engine.tokenizer.decode(list(plain.token_ids[i:i + 2]))
-                                     for i in range(9, 20)) if t.strip())
-        stopping = SamplingParams(max_tokens=22, temperature=0.0, stop=(stop_text,))
+        stopping = _stopping(engine, prompts[2], greedy, 9)
         cases = [greedy, short, stopping, sampled, greedy]
         solo = [engine.generate(p, q, mode="vanilla") for p, q in zip(prompts, cases, strict=True)]
     finally:

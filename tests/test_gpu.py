@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -612,13 +613,23 @@ def test_drafter_tree_chain_equals_host_steps_and_vanilla(tmp_path, mt_bench_pro
     assert deep > 0, "no step accepted past level 2: the deeper levels would be untested"
 
 
+
+def _in_threads(fn: Callable[[int], None], n: int, timeout: float) -> None:
+    """``fn(0)`` ... ``fn(n - 1)`` on threads of their own, all started before any is waited for."""
+    import threading
+
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
 def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     """Batched serving on CUDA (``runtime/batched_cuda_step.py``, ``max_batch`` 16): 12 prompts of mixed
     lengths, vanilla greedy, vanilla seeded T = 0.7 and speculative greedy, each joining a few steps
     after the one before, get exactly the tokens the engine gives each alone on its own cache through
     the one-sequence graphs (decode chains, tree chains); the batched step's rows equal the
     one-sequence step's logits bitwise; and the step did batch."""
-    import threading
     import time
 
     from elesium.config import Settings
@@ -657,11 +668,7 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    _in_threads(run, len(prompts), 300)
     assert not errors, errors
     assert batcher.largest_batch >= 4, f"they did not batch (largest batch {batcher.largest_batch})"
     for i in range(len(prompts)):
@@ -704,7 +711,6 @@ def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None
     fed back on the device) gives three sequences the tokens and the keys and values of four single-step
     replays, bitwise; and through the batcher six greedy generations with slow consumers, decoded in chains,
     get their solo tokens (some with ``max_tokens`` not a multiple of the chain)."""
-    import threading
     import time
 
     from elesium.config import Settings
@@ -762,11 +768,7 @@ def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None
             errors.append(exc)
 
     before = batcher.chained_steps
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(consume, len(prompts), 120)
     assert not errors, errors
     assert batcher.chained_steps > before, "no batch ran as a chain"
     for i in range(len(prompts)):
@@ -777,7 +779,6 @@ def test_batched_cuda_deadline_drops_what_was_decoded_ahead(mt_bench_prompts) ->
     generations whose consumers stop asking after a few tokens are cut at their deadline with exactly the
     tokens they published (the ones decoded ahead are dropped), a prefix of their solo tokens, and their
     slots are free at once."""
-    import threading
     import time
 
     from elesium.config import Settings
@@ -810,11 +811,7 @@ def test_batched_cuda_deadline_drops_what_was_decoded_ahead(mt_bench_prompts) ->
             errors.append(exc)
 
     ahead_before = batcher.ahead_rows
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(consume, 3, 120)
     assert not errors, errors
     assert batcher.ahead_rows > ahead_before, "nothing was decoded ahead: the drop is untested"
     for i in range(3):

@@ -218,16 +218,23 @@ class BatchedCudaStep:
                                                   one_node, pool.k, pool.v)
             return logits, greedy.tolist()
         captured = self._row_graph(bucket)
+        self._replay_rows(captured, tokens, offsets, slots)
+        logits, greedy = captured.out
+        return logits[:b], greedy[:b].tolist()
+
+    def _replay_rows(self, captured: _Captured, tokens: list[int], offsets: list[int],
+                     slots: list[int]) -> None:
+        """Stage one row per sequence into a row or chain graph, replay it, and wait for it (with the GIL
+        released: the consumers' threads run while the GPU works). Padding rows decode token 0 at position 0
+        of the scratch slot."""
+        b = len(tokens)
         staging = captured.free_staging()
         staging[0, :b] = torch.tensor(tokens)
         staging[1, :b] = torch.tensor(offsets)
         staging[2, :b] = torch.tensor(slots)
-        staging[:, b:] = torch.tensor([[0], [0], [self.scratch]])  # padding rows: the scratch slot
+        staging[:, b:] = torch.tensor([[0], [0], [self.scratch]])
         captured.replay()
-        logits, greedy = captured.out
-        # Wait with the GIL released: the consumers' threads run while the GPU works.
         torch.cuda.current_stream().synchronize()
-        return logits[:b], greedy[:b].tolist()
 
     @torch.inference_mode()
     def decode_greedy(self, tokens: list[int], offsets: list[int], slots: list[int],
@@ -258,14 +265,8 @@ class BatchedCudaStep:
             inputs = torch.tensor([tokens, offsets, slots], device=self.model.device)
             return self._chain_body(inputs, b, steps)().tolist()  # type: ignore[no-any-return]
         captured = self._chain_graph(bucket, steps)
-        staging = captured.free_staging()
-        staging[0, :b] = torch.tensor(tokens)
-        staging[1, :b] = torch.tensor(offsets)
-        staging[2, :b] = torch.tensor(slots)
-        staging[:, b:] = torch.tensor([[0], [0], [self.scratch]])  # padding rows: the scratch slot
-        captured.replay()
+        self._replay_rows(captured, tokens, offsets, slots)
         picks: torch.Tensor = captured.out
-        torch.cuda.current_stream().synchronize()  # with the GIL released, as in ``decode``
         return picks[:b].tolist()  # type: ignore[no-any-return]
 
     def _chain_body(self, inputs: torch.Tensor, bucket: int, steps: int) -> Callable[[], torch.Tensor]:
