@@ -291,3 +291,47 @@ def test_greedy_chain_is_its_steps_one_after_another() -> None:
         step.decode_greedy([1], [92], [1], 5)
     with pytest.raises(ValueError, match="1 or more steps"):
         step.decode_greedy([1], [0], [1], 0)
+
+
+def test_prompt_blocks_riding_on_decode_steps_are_their_own_prefill() -> None:
+    """``decode_rows`` with prompt blocks in its first forward (eager on the CPU, one graph replay on CUDA):
+    a chain of three steps of three decoding sequences, with two newcomers' prompts riding on it (a
+    100-token prompt's two blocks, which must see each other's keys within the forward, and a 30-token
+    one), gives the rows the greedy tokens of the same chain without the blocks, the blocks the hidden
+    states of ``prefill``, and every slot the same keys and values; a block on a decoding row's slot is
+    refused."""
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
+    from elesium.inference.runtime.slot_pool import SlotPool
+
+    model = _model(torch.float32)
+    c = model.config
+    g = torch.Generator().manual_seed(14)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(c.vocab_size, c.hidden_size, generator=g),
+                                              requires_grad=False)  # untied: see the chain test
+    lengths, slots = [3, 40, 90], [4, 0, 2]
+    pool = SlotPool(c, 6, 160, torch.device("cpu"), torch.float32)
+    for n, slot in zip(lengths, slots, strict=True):
+        pool.reserve(slot, pool.max_len)
+        model(torch.randint(0, c.vocab_size, (1, n), generator=g), torch.arange(n), pool.cache(slot), 0)
+    long, short = (torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (100, 30))
+    blocks = [(1, long[:64], 0), (3, short, 0), (1, long[64:], 64)]
+    first = torch.randint(0, c.vocab_size, (3,), generator=g).tolist()
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    step, steps = BatchedCudaStep(model, pool, rows=4, graphs=False), 3
+    alone_hidden = step.prefill(blocks)
+    alone = step.decode_rows(first, lengths, slots, steps)
+    alone_k, alone_v = pool.k.clone(), pool.v.clone()
+    pool.k.copy_(before_k)
+    pool.v.copy_(before_v)
+    together = step.decode_rows(first, lengths, slots, steps, blocks)
+    assert together.picks == alone.picks and together.logits is None
+    assert sum(len(set(row)) > 1 for row in alone.picks) >= 2, alone.picks
+    assert [h.shape[0] for h in together.hidden] == [64, 30, 36]
+    for got, want in zip(together.hidden, alone_hidden, strict=True):
+        assert rel_err(got, want) < TOL[torch.float32]
+    written = {**{s: n + steps for s, n in zip(slots, lengths, strict=True)}, 1: 100, 3: 30}
+    for slot, n in written.items():
+        assert rel_err(pool.k[slot, ..., :n, :], alone_k[slot, ..., :n, :]) < TOL[torch.float32], slot
+        assert rel_err(pool.v[slot, ..., :n, :], alone_v[slot, ..., :n, :]) < TOL[torch.float32], slot
+    with pytest.raises(ValueError, match="decoding row's"):
+        step.decode_rows(first, lengths, slots, 1, [(0, [1, 2], 40)])

@@ -59,7 +59,7 @@ def main() -> int:
     assert step is not None and hasattr(step, "decode_greedy")
     for chain in {s[3] for s in SETTINGS if s[3] > 1}:  # captured now, not inside a timed level
         for bucket in step.buckets:
-            step._chain_graph(bucket, chain)
+            step._decode_graph(bucket, chain, 0)
     solos = {}
     for chain in (1, 4):
         batcher.chain_steps = chain

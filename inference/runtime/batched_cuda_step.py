@@ -27,8 +27,8 @@ position 0 of the pool's scratch slot, which no generation holds, and are sliced
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -42,50 +42,87 @@ from elesium.kernels.ragged_attention import ragged_tree_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Rows a captured graph holds; a batch takes the smallest bucket that fits it."""
+PromptBlock = tuple[int, list[int], int]
+"""A block of a prompt to prefill: (its pool slot, its tokens, the position of its first token)."""
 PREFILL_ROWS = (1, 2, 4, 8)
 """Prompt blocks (of different sequences) a prefill graph holds: newcomers' prompts are prefilled together."""
+
+
+class Group(NamedTuple):
+    """Rows of one shape in a pool forward: ``tokens`` and ``positions`` ``[B, N]``; row ``b``'s node ``i``
+    goes to pool slot ``slots[b]`` at position ``offsets[b] + i`` (``offsets``, ``slots``: ``[B]``).
+    ``node_seq``: ``[B * N]``, each node's row (``arange(B).repeat_interleave(N)``); ``ancestors``:
+    ``[B * N, N]``, the nodes of its own row each node sees, by index within the row, itself included (a
+    causal block for a prompt chunk, a tree's ancestor rows, ones for one token). Passed in so that a
+    captured graph allocates neither."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    slots: torch.Tensor
+    node_seq: torch.Tensor
+    ancestors: torch.Tensor
 
 
 def pool_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor,
                  slots: torch.Tensor, node_seq: torch.Tensor, ancestors: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor) -> torch.Tensor:
-    """``fused_forward`` for ``B`` sequences of a slot pool, ``N`` new tokens each; writes their keys, values.
+    """``fused_forward`` for ``B`` sequences of a slot pool, ``N`` new tokens each (one :class:`Group`);
+    writes their keys and values into ``k_pool``, ``v_pool`` (``[slots, layers, 1, kv_heads, capacity,
+    head_dim]``). Returns the final normed hidden states ``[B, N, hidden]``."""
+    group = Group(tokens, positions, offsets, slots, node_seq, ancestors)
+    return pool_forward_groups(model, [group], k_pool, v_pool)[0]
 
-    Args:
-        tokens, positions: ``[B, N]``; row ``b``'s node ``i`` goes to pool slot ``slots[b]`` at position
-            ``offsets[b] + i`` (``offsets``, ``slots``: ``[B]``).
-        node_seq: ``[B * N]``, each node's row (``arange(B).repeat_interleave(N)``); ``ancestors``:
-            ``[B * N, N]``, the nodes of its own row each node sees, by index within the row, itself
-            included (a causal block for a prompt chunk, a tree's ancestor rows, ones for one token).
-            Passed in so that a captured graph allocates neither.
-        k_pool, v_pool: the pool's ``[slots, layers, 1, kv_heads, capacity, head_dim]`` tensors.
 
-    Returns the final normed hidden states ``[B, N, hidden]``.
+def pool_forward_groups(model: Transformer, groups: list[Group], k_pool: torch.Tensor,
+                        v_pool: torch.Tensor) -> list[torch.Tensor]:
+    """One forward over several :class:`Group` s of rows (decode rows of one token and prompt blocks of a
+    chunk, say): every matmul, norm and SwiGLU runs once over all their tokens, and only the two kernels that
+    see rows as sequences (the RoPE + cache write, the attention) run once per group.
+
+    Why: on a GPU a forward costs its ~270 launches more than its arithmetic, so prompt blocks riding on a
+    decode step cost little more than the step, where a prefill forward of their own costs a whole one.
+    Exact: those kernels are row-wise (the matmul is M-invariant), so a row's bits do not depend on what
+    else is in the forward; and each layer writes every group's keys before any group attends, so a later
+    block of a prompt sees an earlier block of the same forward (as in one group).
+
+    Returns each group's final normed hidden states ``[B, N, hidden]``.
     """
     c = model.config
-    b, n = tokens.shape
     hq, hkv, dim = c.num_heads, c.num_kv_heads, c.head_dim
-    cos, sin = model.rope_cos[positions], model.rope_sin[positions]  # [B, N, D]
     scale = 1.0 / math.sqrt(dim)
+    spans: list[tuple[int, int, int, int]] = []  # each group's (first token, tokens, B, N)
+    total = 0
+    for g in groups:
+        b, n = g.tokens.shape
+        spans.append((total, b * n, b, n))
+        total += b * n
+    tables = [(model.rope_cos[g.positions], model.rope_sin[g.positions]) for g in groups]  # [B, N, D] each
+    embedded = [model.embed(g.tokens).view(g.tokens.numel(), c.hidden_size) for g in groups]
+    x = embedded[0] if len(embedded) == 1 else torch.cat(embedded)
     layers = model.layers
-    x = model.embed(tokens)
     normed = cast(Block, layers[0]).attn_norm(x)
     for i, module in enumerate(layers):
         layer = cast(Block, module)
         attn = layer.attn
         k_layer, v_layer = k_pool[:, i, 0], v_pool[:, i, 0]  # [slots, kv_heads, capacity, head_dim]
-        # Queries laid out [B, N, Hq, D], so that the attention's [Hq, B * N, D] is a view of them.
-        q = torch.empty((b, n, hq, dim), dtype=x.dtype, device=x.device)
-        rope_qkv_to_slots(attn.wqkv(normed), cos, sin, k_layer, v_layer, slots, offsets, hq, hkv,
-                          q_out=q.permute(0, 2, 1, 3))
-        heads_out = torch.empty((b * n, hq, dim), dtype=x.dtype, device=x.device)  # the layout wo reads
-        ragged_tree_attention(q.view(b * n, hq, dim).transpose(0, 1), k_layer, v_layer, slots, offsets,
-                              node_seq, ancestors, scale, out=heads_out.transpose(0, 1))
-        x, normed = add_rms_norm(x, attn.wo(heads_out.view(b, n, hq * dim)), layer.mlp_norm.weight,
+        qkv = attn.wqkv(normed)
+        # Queries laid out [T, Hq, D], so that a group's [Hq, B * N, D] for the attention is a view of them.
+        q = torch.empty((total, hq, dim), dtype=x.dtype, device=x.device)
+        heads_out = torch.empty((total, hq, dim), dtype=x.dtype, device=x.device)  # the layout wo reads
+        for g, (first, size, b, n), (cos, sin) in zip(groups, spans, tables, strict=True):
+            rows = slice(first, first + size)
+            rope_qkv_to_slots(qkv[rows].view(b, n, -1), cos, sin, k_layer, v_layer, g.slots, g.offsets, hq,
+                              hkv, q_out=q[rows].view(b, n, hq, dim).permute(0, 2, 1, 3))
+        for g, (first, size, _, _) in zip(groups, spans, strict=True):
+            rows = slice(first, first + size)
+            ragged_tree_attention(q[rows].transpose(0, 1), k_layer, v_layer, g.slots, g.offsets, g.node_seq,
+                                  g.ancestors, scale, out=heads_out[rows].transpose(0, 1))
+        x, normed = add_rms_norm(x, attn.wo(heads_out.view(total, hq * dim)), layer.mlp_norm.weight,
                                  layer.mlp_norm.eps)
         following = cast(Block, layers[i + 1]).attn_norm if i + 1 < len(layers) else model.norm
         x, normed = add_rms_norm(x, layer.w2(swiglu(layer.w13(normed))), following.weight, following.eps)
-    return normed
+    return [normed[first:first + size].view(b, n, -1) for first, size, b, n in spans]
 
 
 def batched_cuda_forward(model: Transformer, tokens: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
@@ -112,6 +149,17 @@ def slot_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
                           v_pool)[0]
     logits = model.logits(hidden)
     return StepOutputs(hidden, logits, logits.argmax(-1))
+
+
+class Decoded(NamedTuple):
+    """What ``BatchedCudaStep.decode_rows`` returns."""
+
+    logits: torch.Tensor | None
+    """A single step's float32 logits ``[B, vocab]`` (a view of the graph's output); None for a chain."""
+    picks: list[list[int]]
+    """Each row's greedy tokens, one per step."""
+    hidden: list[torch.Tensor]
+    """Each prompt block's hidden states ``[n, hidden]``, in the order given."""
 
 
 class _Captured:
@@ -155,7 +203,10 @@ class BatchedCudaStep:
     * ``prefill``: one prompt block each of up to 8 sequences (``PREFILL_ROWS``), so that newcomers
       arriving together are prefilled in one forward rather than one after another;
     * ``decode_greedy``: ``steps`` greedy tokens for each of ``B`` sequences in one replay, each step's
-      tokens fed back on the device (one graph per bucket of rows and number of steps).
+      tokens fed back on the device;
+    * ``decode_rows``: either of the two, with up to 8 prompt blocks riding in its (first) forward. Its
+      graphs are keyed by bucket of rows, steps (1 and ``chain``) and bucket of blocks (none and
+      ``PREFILL_ROWS``; ``fold`` False captures only the ones without blocks at warm-up).
 
     Unlike the CPU step it takes a batch of one as well. ``graphs=False`` runs the forwards eagerly (the
     reference in tests); so do batches past the largest bucket and node blocks that would write past
@@ -163,7 +214,8 @@ class BatchedCudaStep:
     """
 
     def __init__(self, model: Transformer, pool: SlotPool, rows: int, graphs: bool = True,
-                 node_buckets: tuple[int, ...] = (), block: int = 64, chain: int = 1) -> None:
+                 node_buckets: tuple[int, ...] = (), block: int = 64, chain: int = 1,
+                 fold: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.scratch = pool.slots - 1  # the batcher's slot that no generation holds
@@ -173,127 +225,138 @@ class BatchedCudaStep:
         self.node_buckets = tuple(sorted(set(node_buckets)))
         self.block = block  # the prefill's block (PREFILL_CHUNK): a block's bits do not depend on it
         self.max_prefill_blocks = PREFILL_ROWS[-1]
-        self._rows: dict[int, _Captured] = {}
         self._nodes: dict[int, _Captured] = {}
         self._prefills: dict[int, _Captured] = {}
         self.chain = chain  # the steps of the greedy chains captured at warm-up (1: none)
-        self._chains: dict[tuple[int, int], _Captured] = {}
+        self.fold = fold  # whether warm-up captures the decode graphs that carry prompt blocks
+        self._decodes: dict[tuple[int, int, int], _Captured] = {}  # (rows, steps, blocks)
         self._mempool: Any = None  # the graphs share one memory pool (torch.cuda.graph_pool_handle)
-        dev = model.device
-        self._node_seq = torch.arange(self.buckets[-1], device=dev)
-        self._ones = torch.ones(self.buckets[-1], 1, dtype=torch.bool, device=dev)
-        self._zeros = torch.zeros(max(self.node_buckets, default=1), dtype=torch.long, device=dev)
+        self._zeros = torch.zeros(max(self.node_buckets, default=1), dtype=torch.long, device=model.device)
 
     def warm_up(self) -> None:
         """Capture every graph now (a generation's first step must not pay for it)."""
         self.pool.reserve(self.scratch, self.pool.max_len)
-        for bucket in self.buckets:
-            self._row_graph(bucket)
         for bucket in self.node_buckets:
             self._node_graph(bucket)
         for bucket in PREFILL_ROWS:
             self._prefill_graph(bucket)
-        if self.chain > 1:
-            for bucket in self.buckets:
-                self._chain_graph(bucket, self.chain)
+        for held in (0, *PREFILL_ROWS) if self.fold else (0,):
+            for steps in sorted({1, self.chain}):
+                for bucket in self.buckets:
+                    self._decode_graph(bucket, steps, held)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], offsets: list[int],
                slots: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Logits ``[B, vocab]`` and greedy tokens of one token per row (row ``b``: sequence ``slots[b]``
         at position ``offsets[b]``)."""
-        b = len(tokens)
-        if not b == len(offsets) == len(slots) or b < 1:
-            raise ValueError(f"a batched step takes 1 or more rows of equal length, got {b}")
-        pool = self.pool
-        for slot, offset in zip(slots, offsets, strict=True):
-            pool.reserve(slot, window_for(offset + 1, pool.max_len))  # finite values in every block read
-        bucket = next((n for n in self.buckets if n >= b), None)
-        if bucket is None or not self.graphs:
-            dev = self.model.device
-            ids = torch.tensor(tokens, device=dev)[:, None]
-            at, rows = torch.tensor(offsets, device=dev), torch.tensor(slots, device=dev)
-            one_node = torch.ones(b, 1, dtype=torch.bool, device=dev)
-            logits, greedy = batched_cuda_forward(self.model, ids, at, rows, torch.arange(b, device=dev),
-                                                  one_node, pool.k, pool.v)
-            return logits, greedy.tolist()
-        captured = self._row_graph(bucket)
-        self._replay_rows(captured, tokens, offsets, slots)
-        logits, greedy = captured.out
-        return logits[:b], greedy[:b].tolist()
+        out = self.decode_rows(tokens, offsets, slots)
+        assert out.logits is not None
+        return out.logits, [picks[0] for picks in out.picks]
 
-    def _replay_rows(self, captured: _Captured, tokens: list[int], offsets: list[int],
-                     slots: list[int]) -> None:
-        """Stage one row per sequence into a row or chain graph, replay it, and wait for it (with the GIL
-        released: the consumers' threads run while the GPU works). Padding rows decode token 0 at position 0
-        of the scratch slot."""
-        b = len(tokens)
-        staging = captured.free_staging()
-        staging[0, :b] = torch.tensor(tokens)
-        staging[1, :b] = torch.tensor(offsets)
-        staging[2, :b] = torch.tensor(slots)
-        staging[:, b:] = torch.tensor([[0], [0], [self.scratch]])
-        captured.replay()
-        torch.cuda.current_stream().synchronize()
-
-    @torch.inference_mode()
     def decode_greedy(self, tokens: list[int], offsets: list[int], slots: list[int],
                       steps: int) -> list[list[int]]:
-        """``steps`` greedy tokens for each row (row ``b``: sequence ``slots[b]``, its next input
-        ``tokens[b]`` at position ``offsets[b]``), each step's argmax fed back on the device as the next
-        step's input.
+        """``steps`` greedy tokens for each row (``decode_rows`` with no prompt blocks)."""
+        return self.decode_rows(tokens, offsets, slots, steps).picks
 
-        Why: at 32 rows a step's GPU work (~1.37 ms) is less than the loop's host work around it: staging,
-        the read-back, handing the rows their tokens, and the GIL taken back from 32 consumer threads
-        (~2.0 ms a step in serving, BENCHMARKS §21c). Chained, the host does that once per ``steps``
-        tokens. Exact: step ``j`` is ``decode``'s forward of the row's previous greedy token at
-        ``offsets[b] + j``, and a row's result does not depend on the other rows, so the tokens are the
-        ones ``steps`` calls of ``decode`` give. Every row needs room for ``steps`` positions.
+    @torch.inference_mode()
+    def decode_rows(self, tokens: list[int], offsets: list[int], slots: list[int], steps: int = 1,
+                    blocks: Sequence[PromptBlock] = ()) -> Decoded:
+        """``steps`` decode steps of one token per row (row ``b``: sequence ``slots[b]``, its next input
+        ``tokens[b]`` at position ``offsets[b]``) in one replay, each step's argmax fed back on the device as
+        the next step's input; ``blocks`` (``(slot, tokens, offset)``, as ``prefill`` takes them) ride in the
+        first step's forward (``pool_forward_groups``).
+
+        Why chains: at 32 rows a step's GPU work (~1.37 ms) is less than the loop's host work around it:
+        staging, the read-back, handing the rows their tokens, and the GIL taken back from 32 consumer
+        threads (~2.0 ms a step in serving, BENCHMARKS §21c). Chained, the host does that once per ``steps``
+        tokens. Why blocks: a prefill forward of its own costs about a decode step's launches (BENCHMARKS
+        §23: prefill was 37 % of the wall at 32 concurrent); riding on a step, a block costs its arithmetic.
+
+        Exact: step ``j`` is ``decode``'s forward of the row's previous greedy token at ``offsets[b] + j``,
+        a block is ``prefill``'s block, and a row's result depends neither on the other rows nor on the
+        blocks beside it, so the tokens and hidden states are those of ``steps`` calls of ``decode`` and one
+        of ``prefill``. Every row needs room for ``steps`` positions.
         """
         b = len(tokens)
         if not b == len(offsets) == len(slots) or b < 1 or steps < 1:
-            raise ValueError(f"a greedy chain takes 1 or more rows of equal length and 1 or more steps, got "
+            raise ValueError(f"a batched step takes 1 or more rows of equal length and 1 or more steps, got "
                              f"{b} rows and {steps} steps")
         pool = self.pool
         if max(offsets) + steps > pool.max_len:
             raise ValueError(f"a chain of {steps} steps from position {max(offsets)} ends past the slot's "
                              f"{pool.max_len} positions")
+        self._check_blocks(blocks, allow_none=True)
+        if set(slots) & {slot for slot, _, _ in blocks}:
+            raise ValueError("a prompt block's slot is also a decoding row's")
         for slot, offset in zip(slots, offsets, strict=True):
-            pool.reserve(slot, window_for(offset + steps, pool.max_len))
+            pool.reserve(slot, window_for(offset + steps, pool.max_len))  # finite values in every block read
         bucket = next((n for n in self.buckets if n >= b), None)
+        held = next(m for m in (0, *PREFILL_ROWS) if m >= len(blocks))
         if bucket is None or not self.graphs:
-            inputs = torch.tensor([tokens, offsets, slots], device=self.model.device)
-            return self._chain_body(inputs, b, steps)().tolist()  # type: ignore[no-any-return]
-        captured = self._chain_graph(bucket, steps)
-        self._replay_rows(captured, tokens, offsets, slots)
-        picks: torch.Tensor = captured.out
-        return picks[:b].tolist()  # type: ignore[no-any-return]
+            staging = torch.zeros(3 * b + self._prefill_size(len(blocks)), dtype=torch.long)
+            self._stage_rows(staging, b, len(blocks), tokens, offsets, slots, blocks)
+            logits, picks, hidden = self._rows_body(staging.to(self.model.device), b, steps, len(blocks))()
+        else:
+            captured = self._decode_graph(bucket, steps, held)
+            self._stage_rows(captured.free_staging(), bucket, held, tokens, offsets, slots, blocks)
+            captured.replay()
+            torch.cuda.current_stream().synchronize()  # the GIL released while it waits: consumers run
+            logits, picks, hidden = captured.out
+        picked: list[list[int]] = picks[:b].tolist()  # one read-back for every row and step
+        prompts = [] if hidden is None else [hidden[i, :len(blk[1])].clone() for i, blk in enumerate(blocks)]
+        return Decoded(None if logits is None else logits[:b], picked, prompts)
 
-    def _chain_body(self, inputs: torch.Tensor, bucket: int, steps: int) -> Callable[[], torch.Tensor]:
-        """``steps`` batched forwards, each fed the last one's argmax: greedy tokens ``[bucket, steps]``."""
+    def _stage_rows(self, staging: torch.Tensor, bucket: int, held: int, tokens: list[int],
+                    offsets: list[int], slots: list[int], blocks: Sequence[PromptBlock]) -> None:
+        """Fill a decode graph's inputs: tokens | offsets | slots ``[3, bucket]``, then ``held`` prompt
+        blocks' (``_prefill_staging``). Padding rows decode token 0 at position 0 of the scratch slot."""
+        b = len(tokens)
+        rows = staging[:3 * bucket].view(3, bucket)
+        rows[0, :b] = torch.tensor(tokens)
+        rows[1, :b] = torch.tensor(offsets)
+        rows[2, :b] = torch.tensor(slots)
+        rows[:, b:] = torch.tensor([[0], [0], [self.scratch]])
+        if held:
+            self._prefill_staging(blocks, held, staging[3 * bucket:])
+
+    def _rows_body(self, inputs: torch.Tensor, bucket: int, steps: int,
+                   held: int) -> Callable[[], tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]:
+        """``steps`` batched forwards, each fed the last one's argmax, the first carrying ``held`` prompt
+        blocks: (the single step's float32 logits ``[bucket, vocab]`` or None for a chain, greedy tokens
+        ``[bucket, steps]``, the blocks' hidden states ``[held, block, hidden]`` or None)."""
         pool, model, dev = self.pool, self.model, self.model.device
+        rows = inputs[:3 * bucket].view(3, bucket)
         # Its own: the eager path may hold more rows than the largest bucket (a graph keeps them with body).
         node_seq, ones = torch.arange(bucket, device=dev), torch.ones(bucket, 1, dtype=torch.bool, device=dev)
+        prompt = self._prefill_group(inputs[3 * bucket:], held) if held else None
 
-        def body() -> torch.Tensor:
-            tokens, at, slots = inputs[0][:, None], inputs[1], inputs[2]
-            picks = []
-            for _ in range(steps):
-                _, greedy = batched_cuda_forward(model, tokens, at, slots, node_seq, ones, pool.k, pool.v)
+        def body() -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+            tokens, at, slots = rows[0][:, None], rows[1], rows[2]
+            picks, hidden = [], None
+            for step in range(steps):
+                groups = [Group(tokens, at[:, None], at, slots, node_seq, ones)]
+                if step == 0 and prompt is not None:
+                    groups.append(prompt)
+                normed = pool_forward_groups(model, groups, pool.k, pool.v)
+                logits = model.logits(normed[0][:, 0])
+                greedy = logits.argmax(-1)
+                if len(normed) > 1:
+                    hidden = normed[1]
                 picks.append(greedy)
                 tokens, at = greedy[:, None], at + 1
-            return torch.stack(picks, 1)
+            return (logits if steps == 1 else None), torch.stack(picks, 1), hidden
 
         return body
 
-    def _chain_graph(self, bucket: int, steps: int) -> _Captured:
-        captured = self._chains.get((bucket, steps))
+    def _decode_graph(self, bucket: int, steps: int, held: int) -> _Captured:
+        captured = self._decodes.get((bucket, steps, held))
         if captured is None:
-            staging = torch.zeros(3, bucket, dtype=torch.long).pin_memory()
-            staging[2] = self.scratch
+            staging = torch.zeros(3 * bucket + self._prefill_size(held), dtype=torch.long).pin_memory()
+            self._stage_rows(staging, bucket, held, [], [], [], ())
             inputs = staging.to(self.model.device)
-            captured = self._chains[bucket, steps] = self._capture(staging, inputs,
-                                                                   self._chain_body(inputs, bucket, steps))
+            captured = self._decodes[bucket, steps, held] = self._capture(
+                staging, inputs, self._rows_body(inputs, bucket, steps, held))
         return captured
 
     @torch.inference_mode()
@@ -332,7 +395,7 @@ class BatchedCudaStep:
         return offset + self.block <= self.pool.max_len
 
     @torch.inference_mode()
-    def prefill(self, blocks: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+    def prefill(self, blocks: list[PromptBlock]) -> list[torch.Tensor]:
         """Hidden states ``[n, hidden]`` of one prompt block per sequence, all in one forward: ``blocks``
         holds ``(slot, tokens, offset)``, at most ``block`` tokens each and ``fits_prefill(offset)``.
 
@@ -341,21 +404,13 @@ class BatchedCudaStep:
         and of the block's length). A short block's padding nodes come after its real ones, so no real
         node sees them; their keys land past the prompt and are overwritten by its later tokens.
         """
-        if not 1 <= len(blocks) <= PREFILL_ROWS[-1]:
-            raise ValueError(f"a batched prefill takes 1 to {PREFILL_ROWS[-1]} blocks, got {len(blocks)}")
-        chunk, pool = self.block, self.pool
-        for slot, tokens, offset in blocks:
-            if not 1 <= len(tokens) <= chunk or not self.fits_prefill(offset):
-                raise ValueError(f"a prefill block holds 1 to {chunk} tokens ending within the slot, got "
-                                 f"{len(tokens)} from {offset}")
-            pool.reserve(slot, window_for(offset + chunk, pool.max_len))
+        self._check_blocks(blocks)
         b = len(blocks)
         bucket = next(m for m in PREFILL_ROWS if m >= b)
         if not self.graphs:
-            dev = self.model.device
-            staging = self._prefill_staging(blocks, b)
-            inputs = staging.to(dev)
-            hidden = self._prefill_body(inputs, b)()
+            staging = torch.zeros(self._prefill_size(b), dtype=torch.long)
+            self._prefill_staging(blocks, b, staging)
+            hidden = self._prefill_body(staging.to(self.model.device), b)()
         else:
             captured = self._prefill_graph(bucket)
             self._prefill_staging(blocks, bucket, captured.free_staging())
@@ -363,55 +418,59 @@ class BatchedCudaStep:
             hidden = captured.out
         return [hidden[i, :len(tokens)].clone() for i, (_, tokens, _) in enumerate(blocks)]
 
-    def _prefill_staging(self, blocks: list[tuple[int, list[int], int]], bucket: int,
-                         staging: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens ``[bucket, block]`` | positions ``[bucket, block]`` | offsets | slots, as one int tensor."""
+    def _check_blocks(self, blocks: Sequence[PromptBlock], allow_none: bool = False) -> None:
+        """Refuse blocks ``prefill`` cannot take; reserve the positions their padding writes."""
+        if not (0 if allow_none else 1) <= len(blocks) <= PREFILL_ROWS[-1]:
+            raise ValueError(f"a batched prefill takes 1 to {PREFILL_ROWS[-1]} blocks, got {len(blocks)}")
+        chunk, pool = self.block, self.pool
+        for slot, tokens, offset in blocks:
+            if not 1 <= len(tokens) <= chunk or not self.fits_prefill(offset):
+                raise ValueError(f"a prefill block holds 1 to {chunk} tokens ending within the slot, got "
+                                 f"{len(tokens)} from {offset}")
+            pool.reserve(slot, window_for(offset + chunk, pool.max_len))
+
+    def _prefill_size(self, bucket: int) -> int:
+        return 2 * bucket * self.block + 2 * bucket
+
+    def _prefill_staging(self, blocks: Sequence[PromptBlock], bucket: int,
+                         staging: torch.Tensor) -> None:
+        """tokens ``[bucket, block]`` | positions ``[bucket, block]`` | offsets | slots, as one int tensor;
+        padding rows are positions 0.. of the scratch slot."""
         chunk = self.block
-        if staging is None:
-            staging = torch.zeros(2 * bucket * chunk + 2 * bucket, dtype=torch.long)
         tokens = staging[:bucket * chunk].view(bucket, chunk)
         positions = staging[bucket * chunk:2 * bucket * chunk].view(bucket, chunk)
         offsets, slots = staging[2 * bucket * chunk:].view(2, bucket)
         tokens.zero_()
-        positions.copy_(torch.arange(chunk))  # padding rows: positions 0.. of the scratch slot
+        positions.copy_(torch.arange(chunk))
         offsets.zero_()
         slots.fill_(self.scratch)
         for i, (slot, ids, offset) in enumerate(blocks):
             tokens[i, :len(ids)] = torch.tensor(ids)
             positions[i] += offset
             offsets[i], slots[i] = offset, slot
-        return staging
 
-    def _prefill_body(self, inputs: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+    def _prefill_group(self, inputs: torch.Tensor, bucket: int) -> Group:
+        """The :class:`Group` of ``bucket`` prompt blocks staged in ``inputs`` (``_prefill_staging``)."""
         chunk, dev = self.block, self.model.device
-        node_seq = torch.arange(bucket, device=dev).repeat_interleave(chunk)
-        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril().repeat(bucket, 1)
         tokens = inputs[:bucket * chunk].view(bucket, chunk)
         positions = inputs[bucket * chunk:2 * bucket * chunk].view(bucket, chunk)
         offsets, slots = inputs[2 * bucket * chunk:].view(2, bucket)
-        pool = self.pool
-        return lambda: pool_forward(self.model, tokens, positions, offsets, slots, node_seq, causal, pool.k,
-                                    pool.v)
+        node_seq = torch.arange(bucket, device=dev).repeat_interleave(chunk)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril().repeat(bucket, 1)
+        return Group(tokens, positions, offsets, slots, node_seq, causal)
+
+    def _prefill_body(self, inputs: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+        group, pool = self._prefill_group(inputs, bucket), self.pool
+        return lambda: pool_forward_groups(self.model, [group], pool.k, pool.v)[0]
 
     def _prefill_graph(self, bucket: int) -> _Captured:
         captured = self._prefills.get(bucket)
         if captured is None:
-            staging = self._prefill_staging([], bucket, torch.zeros(
-                2 * bucket * self.block + 2 * bucket, dtype=torch.long).pin_memory())
+            staging = torch.zeros(self._prefill_size(bucket), dtype=torch.long).pin_memory()
+            self._prefill_staging([], bucket, staging)
             inputs = staging.to(self.model.device)
             body = self._prefill_body(inputs, bucket)
             captured = self._prefills[bucket] = self._capture(staging, inputs, body)
-        return captured
-
-    def _row_graph(self, bucket: int) -> _Captured:
-        captured = self._rows.get(bucket)
-        if captured is None:
-            staging = torch.zeros(3, bucket, dtype=torch.long).pin_memory()
-            staging[2] = self.scratch
-            inputs = staging.to(self.model.device)
-            node_seq, ones, pool = self._node_seq[:bucket], self._ones[:bucket], self.pool
-            captured = self._rows[bucket] = self._capture(staging, inputs, lambda: batched_cuda_forward(
-                self.model, inputs[0][:, None], inputs[1], inputs[2], node_seq, ones, pool.k, pool.v))
         return captured
 
     def _node_graph(self, bucket: int) -> _Captured:
