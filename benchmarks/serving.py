@@ -176,6 +176,7 @@ def loop_counters(engine: Engine) -> dict[str, float]:
         return {}
     return {"batched_steps": batcher.batched_steps, "batched_rows": batcher.batched_rows,
             "solo_steps": batcher.solo_steps, "ahead_rows": batcher.ahead_rows,
+            "folded_blocks": batcher.folded_blocks, "prefill_rows": batcher.prefill_rows,
             **{f"busy_{k}_s": v for k, v in batcher.busy_s.items()}}
 
 

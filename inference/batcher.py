@@ -51,6 +51,7 @@ the queue (``run`` returns False), so the slot is free for the next iteration's 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -70,7 +71,7 @@ from elesium.inference.runtime.slot_pool import SlotPool
 if TYPE_CHECKING:
     from elesium.inference.engine import Engine
     from elesium.inference.generation_stream import _Run
-    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep, PromptBlock
 
 T = TypeVar("T")
 log = logging.getLogger("elesium")
@@ -158,6 +159,8 @@ class Batcher:
         self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
         self.prefill_rows = 0  # prompt blocks prefilled as rows of a shared forward (CUDA)
         self.consecutive_blocks = True  # a prompt's next blocks join its first in one prefill forward (CUDA)
+        self.fold_prefill = True  # newcomers' first round of blocks rides in the decode step's forward (CUDA)
+        self.folded_blocks = 0  # prompt blocks that rode in a decode step's forward (metrics, tests)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -219,7 +222,8 @@ class Batcher:
                 runner = self.engine.runner
                 buckets = runner.buckets if isinstance(runner, CudaGraphRunner) else ()
                 step = BatchedCudaStep(self.engine.model, self.pool, self.slots, graphs=self._compiled,
-                                       node_buckets=buckets, block=PREFILL_CHUNK, chain=self.chain_steps)
+                                       node_buckets=buckets, block=PREFILL_CHUNK, chain=self.chain_steps,
+                                       fold=self.fold_prefill)
                 step.warm_up()
             else:
                 step = BatchedCpuStep(self.engine.model, self.pool, compiled=self._compiled,
@@ -404,11 +408,17 @@ class Batcher:
             self._work_slots = {r: self._slot[r] for r in work}
             return True
 
-    def _prefill_together(self, new: list[_Run], budget: int | None) -> tuple[int | None, set[_Run]]:
+    def _prefill_together(self, new: list[_Run], budget: int | None,
+                          carry: Callable[[list[PromptBlock]], list[torch.Tensor]] | None = None
+                          ) -> tuple[int | None, set[_Run], bool]:
         """CUDA: the newcomers' next prompt blocks as rows of one forward (``BatchedCudaStep.prefill``),
         round after round while ``budget`` (blocks; None: no limit) lasts. Their decoders' ``prefill``
-        then finds the blocks done (``ForwardRunner.partial``). Returns the budget left and the runs whose
-        prefill started in this call.
+        then finds the blocks done (``ForwardRunner.partial``). Returns the budget left, the runs whose
+        prefill started in this call, and whether ``carry`` ran.
+
+        ``carry`` (the batch's decode step, ``_decode_batch``) takes the first round instead of a prefill
+        forward of its own: the blocks ride in the step's forward (``BatchedCudaStep.decode_rows``), which
+        costs little more than the step, where a prefill forward costs about a whole step's launches.
 
         A round takes each newcomer's next block, then each one's block after that, and so on, up to the
         forward's rows: consecutive blocks of one prompt share a forward, because each layer writes every
@@ -423,6 +433,7 @@ class Batcher:
             if run.timing.gate_at is None:
                 run.timing.gate_at = started  # its prefill starts now, whatever its pieces
         chunk, most = step.block, step.max_prefill_blocks
+        carried_s, offered = 0.0, carry is not None
         while budget is None or budget > 0:
             rows = most if budget is None else min(budget, most)
             picked: list[tuple[int, int]] = []  # (newcomer, a block's first position)
@@ -434,15 +445,23 @@ class Batcher:
             if not picked:
                 break
             group = [(*partials[i], at) for i, at in sorted(picked)]  # a prompt's blocks in order
-            hidden = step.prefill([(self._work_slots[r], p.ids[at:at + chunk], at) for r, p, at in group])
+            blocks = [(self._work_slots[r], p.ids[at:at + chunk], at) for r, p, at in group]
+            if carry is not None:
+                carried_from = time.perf_counter()
+                hidden = carry(blocks)
+                carried_s += time.perf_counter() - carried_from  # the step's time, counted there
+                self.folded_blocks += len(group)
+                carry = None
+            else:
+                hidden = step.prefill(blocks)
             for (_, partial, _), h in zip(group, hidden, strict=True):
                 partial.parts.append(h)
                 partial.done += h.shape[0]
             self.prefill_rows += len(group)
             if budget is not None:
                 budget -= len(group)
-        self.busy_s["prefill"] += time.perf_counter() - started
-        return budget, fresh
+        self.busy_s["prefill"] += time.perf_counter() - started - carried_s
+        return budget, fresh, offered and carry is None
 
     def _ahead_capable(self, run: _Run) -> bool:
         """Whether ``run`` is a generation the loop decodes ahead of its consumer (see ``LOOKAHEAD``)."""
@@ -527,8 +546,17 @@ class Batcher:
                   if any(r.state == "running" for r in list(self._slot)) else None)
         deferred: set[_Run] = set()
         fresh: set[_Run] = set()
+        stepped = False
         if self._cuda and self._step is not None:
-            budget, fresh = self._prefill_together([r for r in work if r.state == "new"], budget)
+            # The batch's step first, carrying the newcomers' first round of prompt blocks; their first
+            # tokens (in the loop below) then wait for one forward, not for a prefill forward and a step.
+            batch = self._held(rows)
+            carry = functools.partial(self._decode_batch, batch) if batch and self.fold_prefill else None
+            budget, fresh, carried = self._prefill_together([r for r in work if r.state == "new"], budget,
+                                                            carry)
+            if batch and not carried:
+                self._decode_batch(batch, [])
+            stepped = True
         for run in work:
             if rows and run in rows:
                 continue
@@ -572,21 +600,37 @@ class Batcher:
                     self._partial.pop(run, None)
                 self.solo_steps += 1
                 self.busy_s[kind] += time.perf_counter() - started
-        if not rows:
-            return deferred
-        assert self._step is not None
-        # Each decoder read once: one decoded ahead may be closed on its consumer's thread meanwhile.
+        batch = [] if stepped else self._held(rows)
+        if batch:
+            self._decode_batch(batch, [])
+        return deferred
+
+    def _held(self, rows: list[_Run]) -> list[tuple[_Run, VanillaDecoder]]:
+        """The batch: ``rows`` with their decoders, each read once (one decoded ahead may be closed on its
+        consumer's thread meanwhile); empty if fewer than ``_min_rows`` are left."""
         held = [(r, r._decoder) for r in rows]
         batch = [(r, d) for r, d in held if isinstance(d, VanillaDecoder)]
-        if len(batch) < self._min_rows:  # the rest were closed meanwhile; a consumer left asks again
-            return deferred
+        return batch if len(batch) >= self._min_rows else []
+
+    def _decode_batch(self, batch: list[tuple[_Run, VanillaDecoder]],
+                      blocks: list[PromptBlock]) -> list[torch.Tensor]:
+        """One batched step, or a chain of them (``_chain_length``), for ``batch``, with ``blocks`` (CUDA)
+        riding in its first forward; hand each row its tokens. Returns the blocks' hidden states."""
+        assert self._step is not None
         rows = [r for r, _ in batch]
         decoders = [d for _, d in batch]
+        tokens, offsets = [d.pending for d in decoders], [d.offset for d in decoders]
+        slots = [self._work_slots[r] for r in rows]
+        cuda = cast("BatchedCudaStep", self._step)  # blocks are only ever given on CUDA
+        hidden: list[torch.Tensor] = []
         start = time.perf_counter()
         steps = self._chain_length(batch)
         if steps > 1:
-            chains = self._step.decode_greedy([d.pending for d in decoders], [d.offset for d in decoders],
-                                              [self._work_slots[r] for r in rows], steps)
+            if blocks:
+                out = cuda.decode_rows(tokens, offsets, slots, steps, blocks)
+                chains, hidden = out.picks, out.hidden
+            else:
+                chains = self._step.decode_greedy(tokens, offsets, slots, steps)
             self._count_batch(len(rows), steps)
             self.chained_steps += steps
             taking = time.perf_counter()
@@ -603,11 +647,16 @@ class Batcher:
                 except BaseException as exc:
                     run._error = exc
             self.busy_s["take_rows"] += time.perf_counter() - taking
-            return deferred
-        logits, greedy = self._step.decode([d.pending for d in decoders], [d.offset for d in decoders],
-                                           [self._work_slots[r] for r in rows])
+            return hidden
+        logits: torch.Tensor | None
+        if blocks:
+            out = cuda.decode_rows(tokens, offsets, slots, 1, blocks)
+            logits, picks, hidden = out.logits, [p[0] for p in out.picks], out.hidden
+        else:
+            logits, greedy = self._step.decode(tokens, offsets, slots)
+            picks = greedy if isinstance(greedy, list) else greedy.tolist()  # one read-back, not one per row
+        assert logits is not None
         self._count_batch(len(rows), 1)
-        picks = greedy if isinstance(greedy, list) else greedy.tolist()  # one read-back, not one per row
         taking = time.perf_counter()
         self.busy_s["batched_step"] += taking - start
         with torch.inference_mode():
@@ -617,7 +666,7 @@ class Batcher:
                 except BaseException as exc:
                     run._error = exc
         self.busy_s["take_rows"] += time.perf_counter() - taking
-        return deferred
+        return hidden
 
     def _count_batch(self, rows: int, steps: int) -> None:
         self.batched_steps += steps

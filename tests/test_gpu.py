@@ -709,8 +709,10 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
 def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None:
     """``BatchedCudaStep.decode_greedy`` (``CHAIN_STEPS`` greedy steps in one graph replay, each step's picks
     fed back on the device) gives three sequences the tokens and the keys and values of four single-step
-    replays, bitwise; and through the batcher six greedy generations with slow consumers, decoded in chains,
-    get their solo tokens (some with ``max_tokens`` not a multiple of the chain)."""
+    replays, bitwise, with or without newcomers' prompt blocks riding on its first forward (each block then
+    the prefill graph's bits); and through the batcher six greedy generations with slow consumers, decoded in
+    chains with the later ones' prompts riding on them, get their solo tokens (some with ``max_tokens`` not a
+    multiple of the chain)."""
     import time
 
     from elesium.config import Settings
@@ -754,6 +756,25 @@ def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None
     chained = step.decode_greedy([x[-1] for x in ids], [len(x) - 1 for x in ids], slots, batcher.chain_steps)
     assert chained == picks
     assert torch.equal(pool.k[slots], stepped_k) and torch.equal(pool.v[slots], stepped_v)
+    # Two newcomers' prompt blocks riding on the chain's first forward (``decode_rows``): the same picks, and
+    # each block the bits of the prefill graph's, keys and values too.
+    newcomers = [engine.encode_prompt(p)[:100] for p in mt_bench_prompts[60:62]]
+    blocks = [(6, newcomers[0][:64], 0), (7, newcomers[1][:64], 0), (6, newcomers[0][64:], 64)]
+    for slot in (6, 7):
+        pool.reserve(slot, pool.max_len)
+    clean_k, clean_v = pool.k.clone(), pool.v.clone()
+    alone = step.prefill(blocks)
+    prefilled_k, prefilled_v = pool.k[[6, 7]].clone(), pool.v[[6, 7]].clone()
+    pool.k.copy_(clean_k)
+    pool.v.copy_(clean_v)
+    pool.k[slots], pool.v[slots] = k0, v0
+    riding = step.decode_rows([x[-1] for x in ids], [len(x) - 1 for x in ids], slots, batcher.chain_steps,
+                              blocks)
+    assert riding.picks == picks and len(riding.hidden) == 3
+    for got_hidden, want in zip(riding.hidden, alone, strict=True):
+        assert torch.equal(got_hidden, want)
+    assert torch.equal(pool.k[slots], stepped_k) and torch.equal(pool.v[slots], stepped_v)
+    assert torch.equal(pool.k[[6, 7]], prefilled_k) and torch.equal(pool.v[[6, 7]], prefilled_v)
     got: dict[int, tuple[int, ...]] = {}
     errors: list[BaseException] = []
 
@@ -767,10 +788,11 @@ def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    before = batcher.chained_steps
+    before, folded = batcher.chained_steps, batcher.folded_blocks
     _in_threads(consume, len(prompts), 120)
     assert not errors, errors
     assert batcher.chained_steps > before, "no batch ran as a chain"
+    assert batcher.folded_blocks > folded, "no prompt block rode on a decode step"
     for i in range(len(prompts)):
         assert got[i] == solo[i], (i, _diverge(got[i], solo[i]))
 

@@ -4,7 +4,8 @@ Why: at 32 concurrent the loop's batched step costs ~2.0 ms for ~29 rows against
 (BENCHMARKS §19, §21), and each consumer's wake-up is a thread switch under the GIL. ``LOOKAHEAD`` (tokens
 decoded before a consumer asks), ``WAKE_EVERY`` (tokens that wake a waiting consumer) and
 ``CUDA_PREFILL_FACTOR`` (prompt blocks per iteration while others decode) trade host work for latency, and
-``CHAIN_STEPS`` (greedy steps per graph replay, fed back on the device) cuts the host work per token.
+``CHAIN_STEPS`` (greedy steps per graph replay, fed back on the device) cuts the host work per token, and
+``fold_prefill`` has newcomers' prompt blocks ride in the decode step's forward.
 This loads the engine once and runs each setting at 32 and 64 concurrent, 256 requests a level, in
 interleaved repetitions (A B C A B C), and reports each setting's median tokens/s beside the engine's
 own concurrency-1 rate measured in the same process.
@@ -28,11 +29,12 @@ import serving  # noqa: E402  (benchmarks/serving.py: the same requests and summ
 from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
-SETTINGS = [  # (LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive prompt blocks together)
-    (8, 4, 8, 1, False),  # the code of BENCHMARKS §21
-    (8, 4, 8, 1, True),
-    (8, 4, 8, 4, True),
-    (16, 8, 8, 8, True),  # shipped after this run (BENCHMARKS §23)
+KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill")
+SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps
+    (16, 8, 8, 8, True, False),  # the defaults of BENCHMARKS §23
+    (16, 8, 8, 8, True, True),
+    (16, 8, 16, 8, True, True),
+    (8, 4, 8, 4, True, True),
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -56,10 +58,11 @@ def main() -> int:
         return summary
 
     step = batcher._step
-    assert step is not None and hasattr(step, "decode_greedy")
-    for chain in {s[3] for s in SETTINGS if s[3] > 1}:  # captured now, not inside a timed level
-        for bucket in step.buckets:
-            step._decode_graph(bucket, chain, 0)
+    assert step is not None and hasattr(step, "decode_rows")
+    for chain in {s[3] for s in SETTINGS}:  # captured now, not inside a timed level
+        for held in (0, 1, 2, 4, 8):
+            for bucket in step.buckets:
+                step._decode_graph(bucket, chain, held)
     solos = {}
     for chain in (1, 4):
         batcher.chain_steps = chain
@@ -69,31 +72,29 @@ def main() -> int:
     solo = solos[1]  # the baseline: one sequence, one step per replay
     runs: list[dict[str, Any]] = []
     for rep in range(REPS):
-        for lookahead, wake, prefill, chain, consecutive in SETTINGS:
-            batcher.lookahead = lookahead
-            batcher.chain_steps = chain
-            batcher.consecutive_blocks = consecutive
-            batcher_module.WAKE_EVERY = wake
-            batcher_module.CUDA_PREFILL_FACTOR = prefill
+        for setting in SETTINGS:
+            knobs = dict(zip(KNOBS, setting, strict=True))
+            batcher.lookahead = knobs["lookahead"]
+            batcher.chain_steps = knobs["chain"]
+            batcher.consecutive_blocks = knobs["consecutive_blocks"]
+            batcher.fold_prefill = knobs["fold_prefill"]
+            batcher_module.WAKE_EVERY = knobs["wake_every"]
+            batcher_module.CUDA_PREFILL_FACTOR = knobs["prefill_factor"]
             for c in LEVELS:
                 lv = level(c, REQUESTS)
-                knobs = {"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill,
-                         "chain": chain, "consecutive_blocks": consecutive}
                 runs.append({"rep": rep, **knobs, **lv})
-                print(f"rep {rep} lookahead {lookahead} wake {wake} prefill {prefill} chain {chain} "
-                      f"consecutive {consecutive} c {c}: "
-                      f"{lv['aggregate_tokens_per_s']:.0f} tok/s, ITL p99 {1e3 * lv['itl_s']['p99']:.1f} ms, "
-                      f"ms/step {lv['step_loop'].get('ms_per_batched_step', 0):.2f}", file=sys.stderr)
+                loop = lv["step_loop"]
+                busy = {k[5:-2]: round(v, 2) for k, v in loop.items() if k.startswith("busy_")}
+                print(f"rep {rep} {knobs} c {c}: {lv['aggregate_tokens_per_s']:.0f} tok/s, TTFT p50 "
+                      f"{1e3 * lv['ttft_s']['p50']:.0f} ms, ITL p99 {1e3 * lv['itl_s']['p99']:.1f} ms, "
+                      f"ms/step {loop.get('ms_per_batched_step', 0):.2f}, loop s {busy}", file=sys.stderr)
     table = []
-    for lookahead, wake, prefill, chain, consecutive in SETTINGS:
+    for setting in SETTINGS:
+        knobs = dict(zip(KNOBS, setting, strict=True))
         for c in LEVELS:
-            key = (lookahead, wake, prefill, chain, consecutive, c)
-            mine = [r for r in runs if (r["lookahead"], r["wake_every"], r["prefill_factor"], r["chain"],
-                                        r["consecutive_blocks"], r["concurrency"]) == key]
+            mine = [r for r in runs if all(r[k] == v for k, v in knobs.items()) and r["concurrency"] == c]
             rate = statistics.median(r["aggregate_tokens_per_s"] for r in mine)
-            table.append({"lookahead": lookahead, "wake_every": wake, "prefill_factor": prefill,
-                          "chain": chain, "consecutive_blocks": consecutive,
-                          "concurrency": c, "median_tokens_per_s": rate,
+            table.append({**knobs, "concurrency": c, "median_tokens_per_s": rate,
                           "x_concurrency_1": rate / solo["aggregate_tokens_per_s"],
                           "itl_p99_ms": statistics.median(1e3 * r["itl_s"]["p99"] for r in mine),
                           "ttft_p50_ms": statistics.median(1e3 * r["ttft_s"]["p50"] for r in mine)})
