@@ -131,15 +131,11 @@ def test_forward_rows_barely_depend_on_how_many_the_forward_holds(engine, fast):
 
 
 @pytest.fixture(scope="module")
-def compiled(fast):
-    """The default CPU engine: the same GGUF-block model with every decode step through the compiled
-    CPU step (``cpu_step.py``), as ``Engine.load`` builds it on a CPU."""
-    from elesium.config import Settings
-    from elesium.inference.runtime.cpu_step import use_inductor_cache
-
-    use_inductor_cache(Settings.from_env().cache_dir / "inductor")  # as Engine.load: the CLI tests' compiles
-    return Engine(fast.model, fast.tokenizer, weights=fast.weights_info, heads=fast.heads,
-                  policy=dataclasses.replace(fast.policy), max_len=1024, cpu_compile=True)
+def compiled(default_engine):
+    """The default CPU engine (``Engine.load()``: the GGUF's 4-bit blocks, every decode step through the
+    compiled CPU step, ``cpu_step.py``). The session's own, so its one-token and tree graphs compile once a
+    session (an engine of its own here spent about 150 s of CI compiling them again)."""
+    return default_engine
 
 
 def test_greedy_speculative_equals_vanilla_on_the_default_path(compiled):
