@@ -33,8 +33,9 @@ between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 
 On CUDA the loop also decodes vanilla generations up to ``LOOKAHEAD`` tokens ahead of their consumers,
 whose threads would otherwise set its pace, runs a batch whose rows all decode greedily as a chain of
-``CHAIN_STEPS`` steps in one graph replay (the picks fed back on the device), and prefills a newcomer's
-consecutive prompt blocks as rows of one forward.
+``CHAIN_STEPS`` steps in one graph replay (the picks fed back on the device), prefills a newcomer's
+consecutive prompt blocks as rows of one forward, and runs the newcomers' first round of blocks inside the
+batch's decode step (``fold_prefill``), so a prompt rides on a forward the GPU runs anyway.
 
 A greedy speculative generation admitted while others hold slots decodes plainly, as a row
 (``PLAIN_WHEN_SHARING``): the same tokens, and no solo tree step for the batch to wait on.
@@ -175,6 +176,10 @@ class Batcher:
         self._taken: set[_Run] = set()  # asks the loop is working on now
         self._done: set[_Run] = set()
         self._partial: dict[_Run, PartialPrefill] = {}  # prompts prefilled part of the way
+        # Whose drafting state the runner's drafter cache holds, and the others' saved (``_own_drafter``).
+        self._drafter_owner: _Run | None = None
+        self._drafter_saved: dict[_Run, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.drafter_swaps = 0  # turns handed from one speculative generation to another (metrics, tests)
         self._jobs: deque[_Job] = deque()
         self._work_slots: dict[_Run, int] = {}  # the slots of this iteration's work, read in _next
         self._thread: threading.Thread | None = None
@@ -291,6 +296,9 @@ class Batcher:
             self._wanted.pop(run, None)
             self._done.discard(run)
             self._partial.pop(run, None)
+            self._drafter_saved.pop(run, None)
+            if self._drafter_owner is run:
+                self._drafter_owner = None
             self._cond.notify()
             self._wake_run(run)
 
@@ -501,26 +509,46 @@ class Batcher:
         tenant it is first come, first served. A slot is the unit because it is what a generation
         holds for its whole life, whatever its speed.
         """
-        # Heads with a drafting cache of their own keep one sequence's drafting state in the runner:
-        # one speculative generation at a time then (vanilla ones never touch it).
-        one_tree = self.engine.runner.drafter_cache is not None
         waiting = [r for r in list(self._wanted) if r not in self._slot and not r._cancel]
         held = Counter(r.tenant for r in list(self._slot))
-        tree_held = any(r.mode != "vanilla" for r in list(self._slot))
         while self._free and waiting:
-            ready = [r for r in waiting
-                     if not (one_tree and tree_held and r.mode != "vanilla" and not self._goes_plain(r))]
-            if not ready:
-                return
-            run = min(ready, key=lambda r: held[r.tenant])  # min keeps the earliest of equals
+            run = min(waiting, key=lambda r: held[r.tenant])  # min keeps the earliest of equals
             waiting.remove(run)
             if self._goes_plain(run):
                 run.mode = run.timing.mode = "vanilla"
                 run.policy = None
                 self.plain_rows += 1
             held[run.tenant] += 1
-            tree_held = tree_held or run.mode != "vanilla"
             self._slot[run] = self._free.pop()
+
+    def _own_drafter(self, run: _Run) -> None:
+        """Make the runner's drafter cache hold ``run``'s drafting state before its tree work.
+
+        Heads with a drafter of their own (the shipped ones: an attention drafter) keep its keys and values
+        in one cache on the runner, position for position beside the sequence's; the captured graphs read
+        that cache where it is. So the speculative generations sharing the engine take turns in it: the
+        one whose state it holds keeps it, and another's turn first saves the holder's positions written so
+        far and copies its own back. Before this, one speculative generation at a time could hold a slot,
+        and a sampled speculative request waited for as long as another one's client took to read its
+        stream. Exact: positions from a decoder's ``offset`` on are written before they are read (each
+        draft first writes the rows accepted since the last), so the saved prefix is the whole state, and
+        a generation drafts from the bits it would have alone. A copy is ~0.1 MB per 100 positions.
+        """
+        cache = self.engine.runner.drafter_cache
+        if cache is None or self._drafter_owner is run:
+            return
+        with self._lock:
+            owner, self._drafter_owner = self._drafter_owner, run
+            decoder = None if owner is None else owner._decoder
+            if owner is not None and owner in self._slot and decoder is not None:
+                n = decoder.offset
+                self._drafter_saved[owner] = (cache[0][..., :n, :].clone(), cache[1][..., :n, :].clone())
+            saved = self._drafter_saved.pop(run, None)
+            self.drafter_swaps += owner is not None
+        if saved is not None:
+            n = saved[0].shape[-2]
+            cache[0][..., :n, :].copy_(saved[0])
+            cache[1][..., :n, :].copy_(saved[1])
 
     def _goes_plain(self, run: _Run) -> bool:
         """Whether a newcomer admitted now decodes plainly (``PLAIN_WHEN_SHARING``; called under the lock).
@@ -587,6 +615,8 @@ class Batcher:
                         budget -= need
                     self.split_prefills += resumed
                     runner.partial = partial
+                if run.mode != "vanilla":
+                    self._own_drafter(run)
                 run._work()
             except BaseException as exc:
                 run._error = exc

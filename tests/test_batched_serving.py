@@ -444,25 +444,23 @@ def test_admission_is_fair_between_tenants(engine):
     assert list(batcher._slot)[-1] == a[4]  # a cancelled request is skipped
 
 
-def test_one_tree_at_a_time_does_not_block_the_queue_behind_it(engine):
+def test_speculative_newcomers_are_admitted_beside_a_tree(engine):
+    """Heads with a drafter cache no longer hold one tree at a time (``Batcher._own_drafter``): two
+    sampled speculative newcomers and a vanilla one all get slots; a greedy speculative one admitted beside
+    them goes plain."""
     from elesium.inference.batcher import Batcher
 
-    batcher = Batcher(engine, 3, compiled=False)
-    engine.runner.drafter_cache, saved = object(), engine.runner.drafter_cache  # heads with a drafter cache
-    try:
-        runs = [_Waiting("t0", "x", "speculative"), _Waiting("t1", "x", "speculative"), _Waiting("v", "x")]
-        for run in runs:
-            batcher._wanted[run] = None  # type: ignore[index]
-        batcher._admit()
-        assert list(batcher._slot) == [runs[0], runs[2]]  # t1 waits for the tree; v does not wait for t1
-        # A greedy speculative newcomer does not wait for the tree either: sharing the batch, it goes plain.
-        plain = _Waiting("g", "x", "speculative", greedy=True)
-        batcher._wanted[plain] = None  # type: ignore[index]
-        batcher.release(runs[2])  # type: ignore[arg-type]
-        batcher._admit()
-        assert list(batcher._slot) == [runs[0], plain] and plain.mode == "vanilla" == plain.timing.mode
-    finally:
-        engine.runner.drafter_cache = saved
+    assert engine.runner.drafter_cache is not None, "the shipped heads draft with a cache of their own"
+    batcher = Batcher(engine, 4, compiled=False)
+    runs = [_Waiting("t0", "x", "speculative"), _Waiting("t1", "x", "speculative"), _Waiting("v", "x")]
+    for run in runs:
+        batcher._wanted[run] = None  # type: ignore[index]
+    batcher._admit()
+    assert list(batcher._slot) == runs
+    plain = _Waiting("g", "x", "speculative", greedy=True)
+    batcher._wanted[plain] = None  # type: ignore[index]
+    batcher._admit()
+    assert list(batcher._slot) == [*runs, plain] and plain.mode == "vanilla" == plain.timing.mode
 
 
 def test_the_tenant_reaches_the_generation(engine):
@@ -630,8 +628,8 @@ def test_greedy_speculative_generations_sharing_the_batch_decode_plainly(batched
     assert batcher.plain_rows == plain_before + 2 and batcher.batched_rows > rows_before
     rest = [t for chunk in it for t in chunk.token_ids]
     assert tuple(head + rest) == solo[0] and first.result.mode == "speculative"
-    # Beside a vanilla generation (heads with a drafting cache admit one tree at a time, so not beside
-    # ``first``): a sampled request keeps its trees, and with the setting off a greedy one does too.
+    # Beside a vanilla generation: a sampled request keeps its trees, and with the setting off a greedy one
+    # does too.
     holder = engine.stream(prompts[0], greedy, mode="vanilla")
     held = iter(holder)
     next(held)
@@ -645,3 +643,47 @@ def test_greedy_speculative_generations_sharing_the_batch_decode_plainly(batched
         batcher.plain_when_sharing = 1
         holder.close()
     assert batcher.running == 0
+
+
+def test_speculative_generations_take_turns_in_the_drafter_cache(batched, mt_bench_prompts):
+    """Sampled speculative generations share the runner's one drafter cache (``Batcher._own_drafter``): a
+    second one runs to its end while the first, part-way, waits on a slow reader (it used to wait for the
+    first to finish), then a third and the first decode at the same time, taking turns step by step; each
+    gets exactly its solo tokens and accepts exactly its solo drafts' nodes at every step, which it would
+    not if it drafted from another's drafter state."""
+    engine, batcher = batched, batched.batcher
+    prompts = [p[:250] for p in mt_bench_prompts[44:47]]
+    params = [SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=70 + i) for i in range(3)]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, q, mode="speculative") for p, q in zip(prompts, params, strict=True)]
+    finally:
+        engine.batcher = batcher
+
+    def steps(result: Any) -> list[tuple[Any, ...]]:  # the drafts' trace: which nodes each step accepted
+        return [(s.tree_size, tuple(s.accepted_nodes), tuple(s.tokens)) for s in result.steps]
+
+    swaps = batcher.drafter_swaps
+    first = engine.stream(prompts[0], params[0], mode="speculative")
+    it = iter(first)
+    head = [t for _ in range(2) for t in next(it).token_ids]  # it has drafted, and holds its slot
+    got: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        got[i] = engine.generate(prompts[i], params[i], mode="speculative")
+
+    second = threading.Thread(target=run, args=(1,))
+    second.start()
+    second.join(120)
+    assert 1 in got, "the second speculative generation waited for the first"
+    third = threading.Thread(target=run, args=(2,))
+    third.start()
+    rest = [t for chunk in it for t in chunk.token_ids]
+    third.join(120)
+    assert tuple(head + rest) == solo[0].token_ids and first.result.mode == "speculative"
+    assert steps(first.result) == steps(solo[0])
+    for i in (1, 2):
+        assert got[i].mode == "speculative" and got[i].token_ids == solo[i].token_ids, i
+        assert steps(got[i]) == steps(solo[i]), i
+    assert batcher.drafter_swaps >= swaps + 2, "the generations never took turns"
+    assert batcher.running == 0 and not batcher._drafter_saved
