@@ -140,6 +140,12 @@ class Metrics:
         ahead = Gauge("elesium_engine_ahead_rows", "Rows decoded before their consumer asked for them since "
                       "start (CUDA's lookahead; tokens past a stop or a close among them are dropped)",
                       registry=r)
+        folded = Gauge("elesium_engine_folded_prompt_blocks", "Prompt blocks prefilled inside a decode "
+                       "step's forward since start (CUDA: newcomers' blocks riding on the batch's step)",
+                       registry=r)
+        swaps = Gauge("elesium_engine_drafter_swaps", "Turns in the drafter cache handed from one "
+                      "speculative generation to another since start (each saves one's drafted positions and "
+                      "restores the other's)", registry=r)
         busy = Gauge("elesium_engine_loop_seconds", "Seconds the step loop spent on each kind of work since "
                      "start (gather: waiting for running generations to ask for their next step; "
                      "batched_step: the shared forward; take_rows: its tokens handed to the generations)",
@@ -162,6 +168,8 @@ class Metrics:
             batch.set_function(lambda: float(batcher.last_batch))
             chained.set_function(lambda: float(batcher.chained_steps))
             ahead.set_function(lambda: float(batcher.ahead_rows))
+            folded.set_function(lambda: float(batcher.folded_blocks))
+            swaps.set_function(lambda: float(batcher.drafter_swaps))
             for kind in batcher.busy_s:
                 busy.labels(kind).set_function(functools.partial(_read, batcher.busy_s, kind))
         if engine is not None and hasattr(engine, "hidden_memo_hits"):

@@ -149,6 +149,8 @@ def test_metrics(api_server):
         "elesium_engine_queue_depth",
         "elesium_engine_chained_steps",
         "elesium_engine_ahead_rows",
+        "elesium_engine_folded_prompt_blocks",
+        "elesium_engine_drafter_swaps",
         "elesium_prefix_cache_queries",
         "elesium_prefix_cache_hits",
     ):
