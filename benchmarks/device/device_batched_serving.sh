@@ -27,6 +27,12 @@ if [ "$WHAT" = knobs ]; then  # the batched CUDA tests, then the step loop's hos
     "$P" "$OUT/serving_knobs.json"
   exit 0
 fi
+if [ "$WHAT" = profile ]; then  # the batched CUDA tests, then a prefill forward's time per kernel
+  run_logged pytest_gpu_batched.log "${PYTEST_S:-240}" python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s \
+    -p no:cacheprovider -k batched_cuda
+  run_logged prefill_profile.log 200 python3 -P benchmarks/gpu/prefill_profile.py "$P" "$OUT/prefill_profile.json"
+  exit 0
+fi
 if [ "$WHAT" = steady ]; then  # the batched CUDA tests (deadlines too), then serving at steady state: REQUESTS
   # requests per level (default 256: 8 waves at 32 concurrent, 4 at 64), so a level's ramp-up and tail weigh
   # little; the default sweep runs 2 x concurrency requests, under a second of wall at 32 and 64

@@ -1,0 +1,107 @@
+"""Where a batched CUDA prefill forward's time goes (on the GPU machine).
+
+Why: at 32 concurrent the serving loop spent 1.29 s of 3.7 s in prefill forwards (BENCHMARKS §25), about
+13 ms a forward of 8 prompt blocks (512 tokens), against 1.8 ms for a 32-row decode step; and riding the
+blocks on decode steps saved no time, so the cost grows with the blocks' tokens, not with launches. This
+times ``BatchedCudaStep.prefill`` per block count and prefix length beside the decode step, and profiles
+one eager forward of each, kernel by kernel.
+
+    python3 -P benchmarks/gpu/prefill_profile.py PROMPTS OUT.json   # ELESIUM_MODEL points at the GGUF
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import serving  # noqa: E402  (benchmarks/serving.py: the prompts)
+
+from elesium.config import Settings  # noqa: E402
+from elesium.inference.engine import Engine  # noqa: E402
+
+
+def _median_ms(fn: Any, repeats: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def _kernels(fn: Any, top: int = 14) -> list[dict[str, Any]]:
+    """Each kernel's total GPU time over one call of ``fn`` (eager), the costliest first."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:90], "calls": e.count, "gpu_ms": e.device_time_total / 1e3}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["gpu_ms"])
+    return rows[:top]
+
+
+def main() -> int:
+    prompts = serving.load_prompts(Path(sys.argv[1]))
+    out = Path(sys.argv[2])
+    engine = Engine.load(device="cuda", dtype="bfloat16",
+                         settings=Settings.from_env().with_overrides(max_batch="64"))
+    batcher = engine.batcher
+    assert batcher is not None
+    batcher.warm_up()
+    step, pool = batcher._step, batcher.pool
+    assert step is not None
+    lengths = sorted(len(engine.encode_prompt(p)) for p in prompts)
+    chunk = step.block
+    per_prompt = sum(-(-n // chunk) for n in lengths) / len(lengths)
+    print(f"prompt tokens: median {statistics.median(lengths)}, p90 {lengths[9 * len(lengths) // 10]}, "
+          f"blocks of {chunk}: {per_prompt:.2f} a prompt", flush=True)
+    ids = engine.encode_prompt(prompts[0] * 4)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "prompt_tokens_median": statistics.median(lengths), "block": chunk,
+                              "prefill": [], "decode": []}
+    for b in (1, 2, 4, 8):
+        for offset in (0, 256):
+            blocks = [(slot, ids[:chunk], offset) for slot in range(b)]
+            ms = _median_ms(lambda blocks=blocks: step.prefill(blocks))
+            report["prefill"].append({"blocks": b, "offset": offset, "ms": ms})
+            print(f"prefill {b} blocks from {offset}: {ms:.2f} ms", flush=True)
+    for rows in (1, 8, 32):
+        slots = list(range(rows))
+        for slot in slots:
+            pool.reserve(slot, 600)
+        ms = _median_ms(lambda slots=slots: step.decode([ids[0]] * len(slots), [300] * len(slots), slots))
+        riding = _median_ms(lambda slots=slots: step.decode_rows(
+            [ids[0]] * len(slots), [300] * len(slots), slots, 1, [(40, ids[:chunk], 0)] * 4))
+        report["decode"].append({"rows": rows, "ms": ms, "with_4_blocks_ms": riding})
+        print(f"decode {rows} rows: {ms:.2f} ms, with 4 blocks riding {riding:.2f} ms", flush=True)
+    # Eager forwards, kernel by kernel.
+    staging = torch.zeros(step._prefill_size(8), dtype=torch.long)
+    step._prefill_staging([(slot, ids[:chunk], 256) for slot in range(8)], 8, staging)
+    body = step._prefill_body(staging.to(step.model.device), 8)
+    with torch.inference_mode():
+        report["prefill_8_blocks_kernels"] = _kernels(body)
+    for row in report["prefill_8_blocks_kernels"]:
+        print(f"  prefill8 {row['gpu_ms']:8.3f} ms {row['calls']:4d}x {row['kernel']}")
+    print(json.dumps({k: v for k, v in report.items() if "kernels" not in k}, indent=1))
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
