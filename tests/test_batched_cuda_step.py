@@ -94,7 +94,7 @@ def test_batched_forward_rows_are_their_sequences_alone() -> None:
     logits are its sequence's one-sequence forward, each row's key and value land at its own slot and
     position (as the one-sequence forward writes them), and the idle slot and every earlier position
     are untouched."""
-    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep, batched_cuda_forward
+    from elesium.inference.runtime.batched_cuda_step import BatchedCudaStep, pool_forward
     from elesium.inference.runtime.fused import fused_forward
     from elesium.inference.runtime.model import KVCache
     from elesium.inference.runtime.slot_pool import SlotPool
@@ -119,8 +119,10 @@ def test_batched_forward_rows_are_their_sequences_alone() -> None:
         solo_caches.append(own)
     before_k, before_v = pool.k.clone(), pool.v.clone()
     at, rows = torch.tensor(lengths), torch.tensor(slots)
-    logits, greedy = batched_cuda_forward(model, tokens[:, None], at, rows, torch.arange(4),
-                                          torch.ones(4, 1, dtype=torch.bool), pool.k, pool.v)
+    normed = pool_forward(model, tokens[:, None], at[:, None], at, rows, torch.arange(4),
+                          torch.ones(4, 1, dtype=torch.bool), pool.k, pool.v)
+    logits = model.logits(normed[:, 0])
+    greedy = logits.argmax(-1)
     assert logits.shape == (4, c.vocab_size) and logits.dtype == torch.float32
     for row, (n, slot) in enumerate(zip(lengths, slots, strict=True)):
         assert rel_err(logits[row], solo_logits[row]) < TOL[torch.float32], row

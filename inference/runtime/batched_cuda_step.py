@@ -125,20 +125,6 @@ def pool_forward_groups(model: Transformer, groups: list[Group], k_pool: torch.T
     return [normed[first:first + size].view(b, n, -1) for first, size, b, n in spans]
 
 
-def batched_cuda_forward(model: Transformer, tokens: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
-                         node_seq: torch.Tensor, ancestors: torch.Tensor, k_pool: torch.Tensor,
-                         v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per row (``tokens`` ``[B, 1]`` at positions ``offsets``), each row a different sequence
-    of the pool (``pool_forward`` with ``N`` = 1, ``node_seq`` = ``arange(B)``, ``ancestors`` all True).
-
-    Returns float32 logits ``[B, vocab]`` and their argmax ``[B]``.
-    """
-    normed = pool_forward(model, tokens, offsets[:, None], offsets, slots, node_seq, ancestors, k_pool,
-                          v_pool)
-    logits = model.logits(normed[:, 0])
-    return logits, logits.argmax(-1)
-
-
 def slot_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor,
                  slot: torch.Tensor, node_seq: torch.Tensor, ancestors: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor) -> StepOutputs:
@@ -286,7 +272,7 @@ class BatchedCudaStep:
         if max(offsets) + steps > pool.max_len:
             raise ValueError(f"a chain of {steps} steps from position {max(offsets)} ends past the slot's "
                              f"{pool.max_len} positions")
-        self._check_blocks(blocks, allow_none=True)
+        self._reserve_blocks(blocks, allow_none=True)
         if set(slots) & {slot for slot, _, _ in blocks}:
             raise ValueError("a prompt block's slot is also a decoding row's")
         for slot, offset in zip(slots, offsets, strict=True):
@@ -404,7 +390,7 @@ class BatchedCudaStep:
         and of the block's length). A short block's padding nodes come after its real ones, so no real
         node sees them; their keys land past the prompt and are overwritten by its later tokens.
         """
-        self._check_blocks(blocks)
+        self._reserve_blocks(blocks)
         b = len(blocks)
         bucket = next(m for m in PREFILL_ROWS if m >= b)
         if not self.graphs:
@@ -418,7 +404,7 @@ class BatchedCudaStep:
             hidden = captured.out
         return [hidden[i, :len(tokens)].clone() for i, (_, tokens, _) in enumerate(blocks)]
 
-    def _check_blocks(self, blocks: Sequence[PromptBlock], allow_none: bool = False) -> None:
+    def _reserve_blocks(self, blocks: Sequence[PromptBlock], allow_none: bool = False) -> None:
         """Refuse blocks ``prefill`` cannot take; reserve the positions their padding writes."""
         if not (0 if allow_none else 1) <= len(blocks) <= PREFILL_ROWS[-1]:
             raise ValueError(f"a batched prefill takes 1 to {PREFILL_ROWS[-1]} blocks, got {len(blocks)}")
