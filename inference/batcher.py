@@ -34,8 +34,9 @@ between steps (:meth:`Batcher.call`), so only one thread ever drives torch.
 On CUDA the loop also decodes vanilla generations up to ``LOOKAHEAD`` tokens ahead of their consumers,
 whose threads would otherwise set its pace, runs a batch whose rows all decode greedily as a chain of
 ``CHAIN_STEPS`` steps in one graph replay (the picks fed back on the device), prefills a newcomer's
-consecutive prompt blocks as rows of one forward, and runs the newcomers' first round of blocks inside the
-batch's decode step (``fold_prefill``), so a prompt rides on a forward the GPU runs anyway.
+consecutive prompt blocks as rows of one forward, and can run the newcomers' first round of blocks inside
+the batch's decode step (``fold_prefill``, off: on the H100 a block cost as much riding on a step as in a
+forward of its own, BENCHMARKS §25, and its graphs lengthen warm-up).
 
 A greedy speculative generation admitted while others hold slots decodes plainly, as a row
 (``PLAIN_WHEN_SHARING``): the same tokens, and no solo tree step for the batch to wait on.
@@ -160,7 +161,9 @@ class Batcher:
         self.ahead_rows = 0  # rows decoded before their consumer asked (metrics, tests)
         self.prefill_rows = 0  # prompt blocks prefilled as rows of a shared forward (CUDA)
         self.consecutive_blocks = True  # a prompt's next blocks join its first in one prefill forward (CUDA)
-        self.fold_prefill = True  # newcomers' first round of blocks rides in the decode step's forward (CUDA)
+        # Newcomers' first round of blocks rides in the decode step's forward (CUDA; set before warm-up,
+        # which then captures the block-carrying graphs). Off: no gain measured (BENCHMARKS §25).
+        self.fold_prefill = False
         self.folded_blocks = 0  # prompt blocks that rode in a decode step's forward (metrics, tests)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
@@ -576,8 +579,9 @@ class Batcher:
         fresh: set[_Run] = set()
         stepped = False
         if self._cuda and self._step is not None:
-            # The batch's step first, carrying the newcomers' first round of prompt blocks; their first
-            # tokens (in the loop below) then wait for one forward, not for a prefill forward and a step.
+            # With ``fold_prefill`` the batch's step first, carrying the newcomers' first round of prompt
+            # blocks (their first tokens, in the loop below, then wait for one forward, not for a prefill
+            # forward and a step); without it the prefill forwards, then the step.
             batch = self._held(rows)
             carry = functools.partial(self._decode_batch, batch) if batch and self.fold_prefill else None
             budget, fresh, carried = self._prefill_together([r for r in work if r.state == "new"], budget,

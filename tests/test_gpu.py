@@ -723,6 +723,7 @@ def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None
     batcher = engine.batcher
     assert batcher is not None
     batcher.chain_steps = 4  # before warm-up, which captures the chains' graphs
+    batcher.fold_prefill = True  # and the block-carrying ones
     prompts = [p[:60 + 70 * i] for i, p in enumerate(mt_bench_prompts[50:56])]
     params = [SamplingParams(max_tokens=64 - 3 * i) for i in range(len(prompts))]
     engine.batcher = None
