@@ -257,7 +257,8 @@ class BatchedCudaStep:
         staging, the read-back, handing the rows their tokens, and the GIL taken back from 32 consumer
         threads (~2.0 ms a step in serving, BENCHMARKS §21c). Chained, the host does that once per ``steps``
         tokens. Why blocks: a prefill forward of its own costs about a decode step's launches (BENCHMARKS
-        §23: prefill was 37 % of the wall at 32 concurrent); riding on a step, a block costs its arithmetic.
+        §23: prefill was 37 % of the wall at 32 concurrent), so riding on a step a block was to cost its
+        arithmetic only. Measured (§25), it costs as much either way; the batcher's fold is off by default.
 
         Exact: step ``j`` is ``decode``'s forward of the row's previous greedy token at ``offsets[b] + j``,
         a block is ``prefill``'s block, and a row's result depends neither on the other rows nor on the
