@@ -22,24 +22,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # python3 -P leaves the script's folder out
 
 import serving  # noqa: E402  (benchmarks/serving.py: the prompts)
+from batched_step_device import _median_s as median_s  # noqa: E402  (warm-up, sync, median)
 
 from elesium.config import Settings  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
 
-def _median_ms(fn: Any, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+def _median_ms(fn: Any) -> float:
+    return 1e3 * median_s(fn, 30)
 
 
 def _kernels(fn: Any, top: int = 14) -> list[dict[str, Any]]:
