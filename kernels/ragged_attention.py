@@ -150,6 +150,97 @@ def _ragged_split_kernel(
              mask=row_ok[:, None])
 
 
+@triton.jit(do_not_specialize=["n_total", "per_seq", "chunks"])
+def _ragged_causal_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    seq_slots_ptr,
+    seq_prefix_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    n_total,
+    per_seq,
+    chunks,
+    qk_scale,
+    stride_qh,
+    stride_qn,
+    stride_kslot,
+    stride_kh,
+    stride_ks,
+    stride_vslot,
+    stride_vh,
+    stride_vs,
+    GROUP: tl.constexpr,
+    QUERIES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Grid ``(num_seq * chunks, HKV, NUM_SPLITS)``: ``QUERIES`` consecutive nodes of one causal block
+    (``QUERIES * GROUP`` tile rows, as many as fit ``BLOCK_M``), KV head, split.
+
+    Row ``r`` is node ``r // GROUP`` of the chunk, query head ``r % GROUP`` of the KV head's group. Each
+    row masks its own keys (``j < prefix + local + 1``), which is the per-node kernel's column mask for
+    that node; the blocks past a row's own last one are all masked for it and leave its state as it was.
+    """
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // chunks
+    first = (pid % chunks) * QUERIES  # local index of the chunk's first node
+
+    kv_slot = tl.load(seq_slots_ptr + seq).to(tl.int64)
+    prefix = tl.load(seq_prefix_ptr + seq).to(tl.int32)
+
+    r = tl.arange(0, BLOCK_M)
+    local = first + r // GROUP
+    row_ok = (r < QUERIES * GROUP) & (local < per_seq)
+    h = hkv * GROUP + r % GROUP
+    node = seq * per_seq + local
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(q_ptr + h[:, None] * stride_qh + node[:, None] * stride_qn + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    row_len = prefix + local + 1  # keys of node ``local``: the prefix, the block's nodes up to itself
+    length = prefix + tl.minimum(first + QUERIES, per_seq)  # the chunk's last node's
+
+    k_base = k_ptr + kv_slot * stride_kslot + hkv * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kv_slot * stride_vslot + hkv * stride_vh + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    n_blocks = tl.cdiv(length, BLOCK_N)
+    for blk in range(split, n_blocks, NUM_SPLITS):
+        j = blk * BLOCK_N + offs_n
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base + j[:, None] * stride_ks,
+            v_base + j[:, None] * stride_vs,
+            j < length,
+            j[None, :] < row_len[:, None],
+            qk_scale,
+            MASK_COLS=True,
+            MASK_TREE=True,
+            IEEE=IEEE,
+        )
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+    prow = h * n_total + node
+    tl.store(part_lse_ptr + prow * NUM_SPLITS + split, lse, mask=row_ok)
+    tl.store(part_o_ptr + (prow[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :], out,
+             mask=row_ok[:, None])
+
+
 def _check(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -199,6 +290,27 @@ def _check(
         if t.device != q.device:
             return f"{name} is on {t.device}, q on {q.device}"
     return None
+
+
+def _merge(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, hq: int, n_total: int,
+           splits: int) -> None:
+    """The splits' partials into ``out``, in split order: the single-sequence kernel's merge."""
+    # The merge kernel's rows are (b, h, node) of a [B, Hq, N, D] output: here B = 1 and N = T.
+    _tree_attn_merge_kernel[(hq * n_total,)](
+        part_o,
+        part_lse,
+        out,
+        n_total,
+        splits,
+        0,
+        out.stride(0),
+        out.stride(1),
+        HQ=hq,
+        HEAD_DIM=out.shape[-1],
+        SPLITS_P2=max(2, triton.next_power_of_2(splits)),
+        SPLIT_CHUNK=16,
+        num_warps=2,
+    )
 
 
 def ragged_tree_attention(
@@ -283,22 +395,103 @@ def ragged_tree_attention(
         num_warps=4,
         num_stages=2,
     )
-    # The merge kernel's rows are (b, h, node) of a [B, Hq, N, D] output: here B = 1 and N = T.
-    _tree_attn_merge_kernel[(rows_total,)](
+    _merge(part_o, part_lse, out, hq, n_total, splits)
+    return out
+
+
+def ragged_causal_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    seq_slots: torch.Tensor,
+    seq_prefix: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_n: int = 64,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``ragged_tree_attention`` for sequences that each add one causal block of ``N = T / num_seq`` nodes
+    (prompt blocks): bitwise its result with lower-triangular ``ancestors``, in a fifth of the programs.
+
+    Why: a prompt block's nodes all read the same keys, but the per-node kernel gives each node and KV
+    head a program of its own whose 16-row tile holds the node's ``GROUP`` query heads (3 of 16 rows for
+    SmolLM2), so a 64-token block loads its prefix 64 times over. Here a program takes as many of the
+    block's consecutive nodes as its tile holds (``16 // GROUP``: 5), all heads of the group.
+
+    Why the bits are the per-node kernel's: the tile is the same shape (``BLOCK_M`` rows, ``BLOCK_N`` keys,
+    the same warps), so every ``tl.dot`` and row reduction runs the same instructions, and a row's values
+    do not depend on the other rows of the tile. A row's keys are visited in the same ``BLOCK_N`` blocks
+    in the same splits. Where the per-node kernel masks a column for the node, this one masks it for the
+    row (``-inf`` before the softmax, so ``p = 0`` and the key or value there adds an exact zero); the
+    blocks past a row's own are all masked for it, which multiplies its state by ``exp2(0) = 1`` and adds
+    zeros. tests/test_ragged_attention.py holds the two kernels to it bitwise.
+
+    ``q`` ``[Hq, T, D]``: sequence ``s``'s nodes are rows ``s * N .. (s + 1) * N - 1``, node ``i`` at slot
+    position ``seq_prefix[s] + i`` of pool slot ``seq_slots[s]`` (keys written before the call); it sees
+    the prefix and nodes ``0 .. i``. Nothing here reads the device, so it can be captured in a CUDA graph.
+    """
+    num_seq = seq_slots.shape[0] if seq_slots.dim() == 1 else 0
+    n_total = q.shape[1] if q.dim() == 3 else 0
+    if num_seq == 0 or n_total % num_seq != 0:
+        raise ValueError(f"ragged causal attention: {n_total} nodes do not split into blocks of "
+                         f"{num_seq} sequences")
+    per_seq = n_total // num_seq
+    if per_seq > MAX_TREE_NODES:
+        raise ValueError(f"ragged causal attention: a block holds 1 to {MAX_TREE_NODES} nodes, got {per_seq}")
+    # Stand-ins of the right shapes for the shared checks; allocated, never written (no kernel launch).
+    node_seq = seq_slots.new_empty(1).expand(n_total)
+    causal = torch.empty((1, 1), dtype=torch.bool, device=q.device).expand(n_total, 1)
+    problem = _check(q, k_pool, v_pool, seq_slots, seq_prefix, node_seq, causal)
+    if problem is not None:
+        raise ValueError(f"ragged causal attention: {problem}")
+    hq, _, head_dim = q.shape
+    _, hkv, capacity, _ = k_pool.shape
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"ragged causal attention: out {tuple(out.shape)} {out.dtype} does not fit q "
+                         f"{tuple(q.shape)} {q.dtype}")
+    group = hq // hkv
+    block_m = max(16, triton.next_power_of_2(group))  # the per-node kernel's tile
+    queries = block_m // group
+    chunks = -(-per_seq // queries)
+    splits = num_splits_for(capacity) if num_splits is None else num_splits
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    part_o = torch.empty((hq * n_total, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((hq * n_total, splits), dtype=torch.float32, device=q.device)
+    _ragged_causal_split_kernel[(num_seq * chunks, hkv, splits)](
+        q,
+        k_pool,
+        v_pool,
+        seq_slots,
+        seq_prefix,
         part_o,
         part_lse,
-        out,
         n_total,
-        splits,
-        0,
-        out.stride(0),
-        out.stride(1),
-        HQ=hq,
+        per_seq,
+        chunks,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        v_pool.stride(2),
+        GROUP=group,
+        QUERIES=queries,
         HEAD_DIM=head_dim,
-        SPLITS_P2=max(2, triton.next_power_of_2(splits)),
-        SPLIT_CHUNK=16,
-        num_warps=2,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
     )
+    _merge(part_o, part_lse, out, hq, n_total, splits)
     return out
 
 

@@ -199,9 +199,24 @@ for dtype in (torch.bfloat16, torch.float16):
             rel = float((got.double() - ref.double()).norm() / ref.double().norm())
             if not rel < 1e-2:
                 bad.append((str(dtype), num_seq, "rel_err", rel))
+from test_ragged_attention import causal_batch
+from elesium.kernels.ragged_attention import ragged_causal_attention
+for dtype in (torch.bfloat16, torch.float16):
+    for per_seq, (hq, hkv) in ((64, (9, 3)), (23, (9, 3)), (64, (4, 2))):
+        rnd = random.Random(per_seq + hq)
+        prefixes = [rnd.randrange(0, 8192 - per_seq) for _ in range(8)] + [0, 63]
+        args = causal_batch(prefixes, per_seq, rnd.sample(range(12), 10), hq, hkv, 8192, dtype, seed=per_seq,
+                            device="cuda")
+        for splits in (None, 1):
+            expect = ragged_tree_attention(**args, num_splits=splits)
+            got = ragged_causal_attention(args["q"], args["k_pool"], args["v_pool"], args["seq_slots"],
+                                          args["seq_prefix"], num_splits=splits)
+            if not torch.equal(got, expect):
+                bad.append((str(dtype), "causal", per_seq, hq, splits))
 print("BAD", bad)
 assert not bad, bad
-print("OK: ragged rows equal the single-sequence kernel bitwise (bf16, fp16; 16 and 64 sequences)")
+print("OK: ragged rows equal the single-sequence kernel bitwise (bf16, fp16; 16 and 64 sequences), and "
+      "causal blocks the per-node kernel")
 """
 
 
@@ -209,7 +224,8 @@ print("OK: ragged rows equal the single-sequence kernel bitwise (bf16, fp16; 16 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests run on a CUDA machine")
 def test_rows_equal_each_sequence_alone_on_gpu() -> None:
     """Test 1 with compiled kernels in bf16 and fp16, capacity 8192, 16 and 64 sequences (trees of up to
-    128 nodes, prefixes up to the capacity), plus the reference on a few of them."""
+    128 nodes, prefixes up to the capacity), plus the reference on a few of them; and the causal kernel
+    against the per-node kernel on prompt blocks of 64 and 23 nodes after random prefixes."""
     import subprocess
     import tempfile
 
@@ -220,3 +236,61 @@ def test_rows_equal_each_sequence_alone_on_gpu() -> None:
                           capture_output=True, text=True, timeout=600, cwd=tempfile.gettempdir())
     print(done.stdout[-2000:])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def causal_batch(prefixes: list[int], per_seq: int, slots: list[int], hq: int, hkv: int, capacity: int,
+                 dtype: torch.dtype, seed: int, device: str = "cpu") -> dict:
+    """``make_batch`` for sequences that each add a causal block of ``per_seq`` nodes (prompt blocks)."""
+    chain = [-1] + list(range(per_seq - 1))
+    return make_batch([(p, chain) for p in prefixes], slots, hq, hkv, max(slots) + 2, capacity, dtype, seed,
+                      device=device)
+
+
+# (dtype, Hq, Hkv, splits, nodes a block): SmolLM2's full 64-token prompt block; short blocks (a prompt's
+# last) of both GQA shapes, one split and two; one token. The interpreter runs a program at a time, so
+# the full block gets three sequences and the rest five.
+CAUSAL_CASES = [(torch.float16, 9, 3, 2, 64), (torch.float32, 4, 2, 1, 17), (torch.float32, 9, 3, 2, 7),
+                (torch.float16, 4, 2, 2, 1), (torch.float16, 9, 3, 1, 5)]
+
+
+@pytest.mark.parametrize(("dtype", "hq", "hkv", "splits", "per_seq"), CAUSAL_CASES)
+def test_causal_blocks_equal_the_per_node_kernel(dtype: torch.dtype, hq: int, hkv: int, splits: int,
+                                                 per_seq: int) -> None:
+    """Prompt blocks after prefixes on both sides of a key block's boundary, in slots out of order: the
+    multi-query causal kernel gives bitwise the per-node kernel's rows with lower-triangular ancestors,
+    and so (checked for the short blocks) each sequence's single-sequence prefill block."""
+    from elesium.kernels.ragged_attention import ragged_causal_attention, ragged_tree_attention
+
+    prefixes, slots = ([0, 63, 130], [2, 0, 3]) if per_seq == 64 else ([0, 1, 63, 64, 130], [4, 0, 6, 2, 5])
+    args = causal_batch(prefixes, per_seq, slots, hq, hkv, 256, dtype, seed=per_seq + hq + splits)
+    expect = ragged_tree_attention(**args, num_splits=splits)
+    got = ragged_causal_attention(args["q"], args["k_pool"], args["v_pool"], args["seq_slots"],
+                                  args["seq_prefix"], num_splits=splits)
+    assert torch.equal(got, expect)
+    if per_seq < 64:
+        chain = [-1] + list(range(per_seq - 1))
+        solo = alone(args, [(p, chain) for p in prefixes], num_splits=splits)
+        assert torch.equal(got, torch.cat(solo, dim=1))
+
+
+def test_causal_blocks_match_reference_and_reject_bad_input() -> None:
+    """The default split count and an ``out`` view against the reference; node counts that do not split
+    into equal blocks, blocks over 128 nodes and the shared shape checks raise ValueError."""
+    from elesium.kernels.ragged_attention import ragged_causal_attention, ragged_tree_attention_reference
+
+    args = causal_batch([3, 70, 0], 20, [2, 0, 1], 9, 3, 1024, torch.float32, seed=8)
+    ref = ragged_tree_attention_reference(**args)
+    buf = torch.empty(args["q"].shape[1], 9, 64)
+    got = ragged_causal_attention(args["q"], args["k_pool"], args["v_pool"], args["seq_slots"],
+                                  args["seq_prefix"], out=buf.transpose(0, 1))
+    assert got.data_ptr() == buf.data_ptr() and rel_err(got, ref) < TOL[torch.float32]
+    pools = (args["k_pool"], args["v_pool"])
+    cases = [
+        ((args["q"][:, :59], *pools, args["seq_slots"], args["seq_prefix"]), "do not split"),
+        ((torch.zeros(9, 3 * 129, 64), *pools, args["seq_slots"], args["seq_prefix"]), "1 to 128 nodes"),
+        ((args["q"], *pools, args["seq_slots"], args["seq_prefix"][:2]), "seq_prefix"),
+        ((args["q"].half(), *pools, args["seq_slots"], args["seq_prefix"]), "dtypes"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=f"ragged causal attention: .*{message}"):
+            ragged_causal_attention(*call)

@@ -38,7 +38,7 @@ from elesium.inference.runtime.model import Block, Transformer
 from elesium.inference.runtime.slot_pool import SlotPool
 from elesium.inference.runtime.step_outputs import StepOutputs
 from elesium.kernels.fused_pointwise import add_rms_norm, rope_qkv_to_slots, swiglu
-from elesium.kernels.ragged_attention import ragged_tree_attention
+from elesium.kernels.ragged_attention import ragged_causal_attention, ragged_tree_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Rows a captured graph holds; a batch takes the smallest bucket that fits it."""
@@ -54,7 +54,9 @@ class Group(NamedTuple):
     ``node_seq``: ``[B * N]``, each node's row (``arange(B).repeat_interleave(N)``); ``ancestors``:
     ``[B * N, N]``, the nodes of its own row each node sees, by index within the row, itself included (a
     causal block for a prompt chunk, a tree's ancestor rows, ones for one token). Passed in so that a
-    captured graph allocates neither."""
+    captured graph allocates neither. ``causal``: every row is a causal block (prompt blocks), so the
+    attention is ``ragged_causal_attention`` (the same bits in a fifth of the programs) and ``ancestors``
+    is not read."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -62,6 +64,7 @@ class Group(NamedTuple):
     slots: torch.Tensor
     node_seq: torch.Tensor
     ancestors: torch.Tensor
+    causal: bool = False
 
 
 def pool_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor,
@@ -116,8 +119,12 @@ def pool_forward_groups(model: Transformer, groups: list[Group], k_pool: torch.T
                               hkv, q_out=q[rows].view(b, n, hq, dim).permute(0, 2, 1, 3))
         for g, (first, size, _, _) in zip(groups, spans, strict=True):
             rows = slice(first, first + size)
-            ragged_tree_attention(q[rows].transpose(0, 1), k_layer, v_layer, g.slots, g.offsets, g.node_seq,
-                                  g.ancestors, scale, out=heads_out[rows].transpose(0, 1))
+            if g.causal:
+                ragged_causal_attention(q[rows].transpose(0, 1), k_layer, v_layer, g.slots, g.offsets, scale,
+                                        out=heads_out[rows].transpose(0, 1))
+            else:
+                ragged_tree_attention(q[rows].transpose(0, 1), k_layer, v_layer, g.slots, g.offsets,
+                                      g.node_seq, g.ancestors, scale, out=heads_out[rows].transpose(0, 1))
         x, normed = add_rms_norm(x, attn.wo(heads_out.view(total, hq * dim)), layer.mlp_norm.weight,
                                  layer.mlp_norm.eps)
         following = cast(Block, layers[i + 1]).attn_norm if i + 1 < len(layers) else model.norm
@@ -444,7 +451,7 @@ class BatchedCudaStep:
         offsets, slots = inputs[2 * bucket * chunk:].view(2, bucket)
         node_seq = torch.arange(bucket, device=dev).repeat_interleave(chunk)
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril().repeat(bucket, 1)
-        return Group(tokens, positions, offsets, slots, node_seq, causal)
+        return Group(tokens, positions, offsets, slots, node_seq, causal, causal=True)
 
     def _prefill_body(self, inputs: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
         group, pool = self._prefill_group(inputs, bucket), self.pool
