@@ -3,8 +3,9 @@
 Why: at 32 concurrent the serving loop spent 1.29 s of 3.7 s in prefill forwards (BENCHMARKS §25), about
 13 ms a forward of 8 prompt blocks (512 tokens), against 1.8 ms for a 32-row decode step; and riding the
 blocks on decode steps saved no time, so the cost grows with the blocks' tokens, not with launches. This
-times ``BatchedCudaStep.prefill`` per block count and prefix length beside the decode step, and profiles
-one eager forward of each, kernel by kernel.
+times ``BatchedCudaStep.prefill`` per block count and prefix length beside the decode step, one layer's
+attention over prompt blocks through the per-node and the causal kernel, and profiles one eager prefill
+forward with each, kernel by kernel.
 
     python3 -P benchmarks/gpu/prefill_profile.py PROMPTS OUT.json   # ELESIUM_MODEL points at the GGUF
 """
@@ -29,6 +30,8 @@ from batched_step_device import _median_s as median_s  # noqa: E402  (warm-up, s
 
 from elesium.config import Settings  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
+from elesium.inference.runtime.batched_cuda_step import pool_forward_groups  # noqa: E402
+from elesium.kernels.ragged_attention import ragged_causal_attention, ragged_tree_attention  # noqa: E402
 
 
 def _median_ms(fn: Any) -> float:
@@ -51,6 +54,28 @@ def _by_kernel(prof: profile, top: int) -> list[dict[str, Any]]:
             for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r["gpu_ms"])
     return rows[:top]
+
+
+def _attention(engine: Engine, pool: Any, chunk: int) -> list[dict[str, Any]]:
+    """One layer's attention over 8 prompt blocks of ``chunk`` tokens, the per-node kernel against the
+    causal one, at three prefix lengths (random queries; the pool's first layer as the keys)."""
+    c = engine.model.config
+    k_layer, v_layer = pool.k[:, 0, 0], pool.v[:, 0, 0]
+    dev, blocks = k_layer.device, 8
+    q = torch.randn(c.num_heads, blocks * chunk, c.head_dim, device=dev, dtype=k_layer.dtype)
+    slots = torch.arange(blocks, device=dev)
+    node_seq = slots.repeat_interleave(chunk)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril().repeat(blocks, 1)
+    rows = []
+    for offset in (0, 256, 1024):
+        prefix = torch.full((blocks,), offset, device=dev)
+        per_node = _median_ms(lambda p=prefix: ragged_tree_attention(q, k_layer, v_layer, slots, p, node_seq,
+                                                                     causal))
+        shared = _median_ms(lambda p=prefix: ragged_causal_attention(q, k_layer, v_layer, slots, p))
+        rows.append({"blocks": blocks, "prefix": offset, "per_node_ms": per_node, "causal_ms": shared})
+        print(f"attention, 8 blocks after {offset}: per node {per_node:.3f} ms, causal {shared:.3f} ms "
+              f"({per_node / shared:.2f}x)", flush=True)
+    return rows
 
 
 def main() -> int:
@@ -88,14 +113,18 @@ def main() -> int:
             [ids[0]] * len(slots), [300] * len(slots), slots, 1, [(40, ids[:chunk], 0)] * 4))
         report["decode"].append({"rows": rows, "ms": ms, "with_4_blocks_ms": riding})
         print(f"decode {rows} rows: {ms:.2f} ms, with 4 blocks riding {riding:.2f} ms", flush=True)
-    # Eager forwards, kernel by kernel.
+    report["attention"] = _attention(engine, pool, chunk)
+    # Eager forwards, kernel by kernel: prompt blocks through the causal kernel (the default) and through
+    # the per-node kernel it replaced.
     staging = torch.zeros(step._prefill_size(8), dtype=torch.long)
     step._prefill_staging([(slot, ids[:chunk], 256) for slot in range(8)], 8, staging)
-    body = step._prefill_body(staging.to(step.model.device), 8)
-    with torch.inference_mode():
-        report["prefill_8_blocks_kernels"] = _kernels(body)
-    for row in report["prefill_8_blocks_kernels"]:
-        print(f"  prefill8 {row['gpu_ms']:8.3f} ms {row['calls']:4d}x {row['kernel']}")
+    group = step._prefill_group(staging.to(step.model.device), 8)
+    for name, g in (("prefill_8_blocks_kernels", group), ("prefill_8_blocks_kernels_per_node",
+                                                          group._replace(causal=False))):
+        with torch.inference_mode():
+            report[name] = _kernels(lambda g=g: pool_forward_groups(step.model, [g], pool.k, pool.v))
+        for row in report[name]:
+            print(f"  {name[-8:]} {row['gpu_ms']:8.3f} ms {row['calls']:4d}x {row['kernel']}")
     # A serving level at 32 concurrent under the profiler: the GPU's busy time against the wall (graph
     # replays' kernels are traced one by one), so the loop's host gaps can be read off.
     serving.warm_up(engine, [1, 8], 16, "vanilla")
