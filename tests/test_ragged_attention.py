@@ -248,7 +248,7 @@ def causal_batch(prefixes: list[int], per_seq: int, slots: list[int], hq: int, h
 
 # (dtype, Hq, Hkv, splits, nodes a block): SmolLM2's full 64-token prompt block; short blocks (a prompt's
 # last) of both GQA shapes, one split and two; one token. The interpreter runs a program at a time, so
-# the full block gets three sequences and the rest five.
+# the full block gets two sequences and the rest five.
 CAUSAL_CASES = [(torch.float16, 9, 3, 2, 64), (torch.float32, 4, 2, 1, 17), (torch.float32, 9, 3, 2, 7),
                 (torch.float16, 4, 2, 2, 1), (torch.float16, 9, 3, 1, 5)]
 
@@ -261,7 +261,7 @@ def test_causal_blocks_equal_the_per_node_kernel(dtype: torch.dtype, hq: int, hk
     and so (checked for the short blocks) each sequence's single-sequence prefill block."""
     from elesium.kernels.ragged_attention import ragged_causal_attention, ragged_tree_attention
 
-    prefixes, slots = ([0, 63, 130], [2, 0, 3]) if per_seq == 64 else ([0, 1, 63, 64, 130], [4, 0, 6, 2, 5])
+    prefixes, slots = ([0, 130], [2, 0]) if per_seq == 64 else ([0, 1, 63, 64, 130], [4, 0, 6, 2, 5])
     args = causal_batch(prefixes, per_seq, slots, hq, hkv, 256, dtype, seed=per_seq + hq + splits)
     expect = ragged_tree_attention(**args, num_splits=splits)
     got = ragged_causal_attention(args["q"], args["k_pool"], args["v_pool"], args["seq_slots"],
