@@ -337,3 +337,21 @@ def test_prompt_blocks_riding_on_decode_steps_are_their_own_prefill() -> None:
         assert rel_err(pool.v[slot, ..., :n, :], alone_v[slot, ..., :n, :]) < TOL[torch.float32], slot
     with pytest.raises(ValueError, match="decoding row's"):
         step.decode_rows(first, lengths, slots, 1, [(0, [1, 2], 40)])
+
+
+def test_one_sequence_prompt_blocks_through_the_causal_kernel_are_bitwise_the_same() -> None:
+    """``fused_forward`` with ``causal`` (what ``Transformer.forward`` passes for a prompt block) attends
+    through the ragged causal kernel; hidden states and cache entries are bitwise those of the per-node
+    kernel, for a full block from 0 and a short one after it, with an int and with a device offset."""
+    from elesium.inference.runtime.fused import fused_forward
+
+    model = _model(torch.float32)
+    c = model.config
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, c.vocab_size, (1, 94), generator=g)
+    caches = {causal: model.new_cache(192) for causal in (False, True)}
+    for lo, hi, offset in ((0, 64, 0), (64, 94, torch.tensor(64))):
+        outs = [fused_forward(model, ids[:, lo:hi], torch.arange(lo, hi), caches[causal], offset,
+                              model.causal(hi - lo), causal=causal) for causal in (False, True)]
+        assert torch.equal(outs[0], outs[1]), (lo, hi)
+    assert torch.equal(caches[False].k, caches[True].k) and torch.equal(caches[False].v, caches[True].v)

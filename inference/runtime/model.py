@@ -266,12 +266,13 @@ class Transformer(nn.Module):
         n = tokens.shape[1]
         if isinstance(offset, int) and offset + n > cache.max_len:
             raise ValueError(f"{offset + n} tokens do not fit the KV cache of {cache.max_len}")
+        causal = ancestors is None
         if ancestors is None:
             ancestors = self.causal(n)
         if self.fused_pointwise and kv_valid is None and tokens.is_cuda and collect is None:
             from elesium.inference.runtime.fused import fused_forward
 
-            return fused_forward(self, tokens, positions, cache, offset, ancestors)
+            return fused_forward(self, tokens, positions, cache, offset, ancestors, causal)
         pos = positions if positions.dim() == 2 else positions[None]
         cos = self.rope_cos[pos][:, None]
         sin = self.rope_sin[pos][:, None]
