@@ -199,7 +199,8 @@ class BatchedCudaStep:
       tokens fed back on the device;
     * ``decode_rows``: either of the two, with up to 8 prompt blocks riding in its (first) forward. Its
       graphs are keyed by bucket of rows, steps (1 and ``chain``) and bucket of blocks (none and
-      ``PREFILL_ROWS``; ``fold`` False captures only the ones without blocks at warm-up).
+      ``PREFILL_ROWS``; warm-up captures the ones with blocks only with ``fold``, off as the batcher's
+      ``fold_prefill`` is: the others are captured at their first use).
 
     Unlike the CPU step it takes a batch of one as well. ``graphs=False`` runs the forwards eagerly (the
     reference in tests); so do batches past the largest bucket and node blocks that would write past
@@ -208,7 +209,7 @@ class BatchedCudaStep:
 
     def __init__(self, model: Transformer, pool: SlotPool, rows: int, graphs: bool = True,
                  node_buckets: tuple[int, ...] = (), block: int = 64, chain: int = 1,
-                 fold: bool = True) -> None:
+                 fold: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.scratch = pool.slots - 1  # the batcher's slot that no generation holds
