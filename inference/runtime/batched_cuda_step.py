@@ -10,7 +10,8 @@ at its own position ``offsets[b]``. Only two of its kernels see the rows as diff
 
 * ``rope_qkv_to_slots`` writes row ``b``'s key and value into pool row ``slots[b]`` at ``offsets[b]``;
 * ``ragged_tree_attention`` reads, for row ``b``, pool row ``slots[b]``'s first ``offsets[b]`` positions
-  and then the row's own key.
+  and then the row's own key (prompt blocks: ``ragged_causal_attention``, the same bits with a block's
+  nodes sharing programs).
 
 Both are the one-sequence kernels with other addresses (``tests/test_ragged_attention.py`` and the GPU
 tests hold them to it bitwise), and every other kernel of the forward is one of the invariant numerics'
