@@ -29,8 +29,9 @@ if [ "$WHAT" = knobs ]; then  # the batched CUDA tests, then the step loop's hos
 fi
 if [ "$WHAT" = profile ]; then  # the batched CUDA tests (TESTS=0 skips them), then a prefill's time per kernel
   # (and the ragged kernels' GPU test: the causal prompt-block kernel bitwise against the per-node one)
+  # TEST_K narrows them (short of device time: TEST_K=ragged runs the kernel test alone).
   [ "${TESTS:-1}" = 1 ] && run_logged pytest_gpu_batched.log "${PYTEST_S:-240}" python3 -P -m pytest -m gpu tests/test_gpu.py \
-    tests/test_ragged_attention.py -ra -s -p no:cacheprovider -k "batched_cuda or on_gpu"
+    tests/test_ragged_attention.py -ra -s -p no:cacheprovider -k "${TEST_K:-batched_cuda or on_gpu}"
   run_logged prefill_profile.log 200 python3 -P benchmarks/gpu/prefill_profile.py "$P" "$OUT/prefill_profile.json"
   exit 0
 fi
