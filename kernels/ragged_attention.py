@@ -31,6 +31,7 @@ integer arithmetic, so the scan's width cannot change a bit of the result.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -292,6 +293,37 @@ def _check(
     return None
 
 
+class _Launch(NamedTuple):
+    """What both ragged kernels' launches share: the output, the split count, ``scale`` in log2 units,
+    the splits' partials, and the strides of ``q`` and the pools in the kernels' argument order."""
+
+    out: torch.Tensor
+    splits: int
+    qk_scale: float
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    strides: tuple[int, ...]
+
+
+def _launch(name: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float | None,
+            num_splits: int | None, out: torch.Tensor | None) -> _Launch:
+    """Check ``out`` and allocate what a launch needs; splits from the capacity unless given, as the
+    single-sequence kernel's, so the two agree."""
+    hq, n_total, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)} "
+                         f"{q.dtype}")
+    splits = num_splits_for(k_pool.shape[2]) if num_splits is None else num_splits
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    part_o = torch.empty((hq * n_total, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((hq * n_total, splits), dtype=torch.float32, device=q.device)
+    strides = (q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3])
+    return _Launch(out, splits, scale * LOG2E, part_o, part_lse, strides)
+
+
 def _merge(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, hq: int, n_total: int,
            splits: int) -> None:
     """The splits' partials into ``out``, in split order: the single-sequence kernel's merge."""
@@ -345,24 +377,14 @@ def ragged_tree_attention(
     if problem is not None:
         raise ValueError(f"ragged tree attention: {problem}")
     hq, n_total, head_dim = q.shape
-    _, hkv, capacity, _ = k_pool.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"ragged tree attention: out {tuple(out.shape)} {out.dtype} does not fit q "
-                         f"{tuple(q.shape)} {q.dtype}")
+    hkv = k_pool.shape[1]
+    launch = _launch("ragged tree attention", q, k_pool, v_pool, scale, num_splits, out)
     if n_total == 0:
-        return out
+        return launch.out
     group = hq // hkv
-    splits = num_splits_for(capacity) if num_splits is None else num_splits
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
     anc = ancestors.to(torch.bool).contiguous().view(torch.uint8)
     width = anc.shape[1]
-    rows_total = hq * n_total
-    part_o = torch.empty((rows_total, splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((rows_total, splits), dtype=torch.float32, device=q.device)
-    _ragged_split_kernel[(n_total, hkv, splits)](
+    _ragged_split_kernel[(n_total, hkv, launch.splits)](
         q,
         k_pool,
         v_pool,
@@ -370,33 +392,26 @@ def ragged_tree_attention(
         node_seq,
         seq_slots,
         seq_prefix,
-        part_o,
-        part_lse,
+        launch.part_o,
+        launch.part_lse,
         n_total,
         width,
         anc.stride(0),
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_pool.stride(0),
-        k_pool.stride(1),
-        k_pool.stride(2),
-        v_pool.stride(0),
-        v_pool.stride(1),
-        v_pool.stride(2),
+        launch.qk_scale,
+        *launch.strides,
         HKV=hkv,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
-        NUM_SPLITS=splits,
+        NUM_SPLITS=launch.splits,
         SCAN_NODES=max(16, triton.next_power_of_2(width)),
         IEEE=q.dtype == torch.float32,
         num_warps=4,
         num_stages=2,
     )
-    _merge(part_o, part_lse, out, hq, n_total, splits)
-    return out
+    _merge(launch.part_o, launch.part_lse, launch.out, hq, n_total, launch.splits)
+    return launch.out
 
 
 def ragged_causal_attention(
@@ -446,53 +461,37 @@ def ragged_causal_attention(
     if problem is not None:
         raise ValueError(f"ragged causal attention: {problem}")
     hq, _, head_dim = q.shape
-    _, hkv, capacity, _ = k_pool.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"ragged causal attention: out {tuple(out.shape)} {out.dtype} does not fit q "
-                         f"{tuple(q.shape)} {q.dtype}")
+    hkv = k_pool.shape[1]
+    launch = _launch("ragged causal attention", q, k_pool, v_pool, scale, num_splits, out)
     group = hq // hkv
     block_m = max(16, triton.next_power_of_2(group))  # the per-node kernel's tile
     queries = block_m // group
     chunks = -(-per_seq // queries)
-    splits = num_splits_for(capacity) if num_splits is None else num_splits
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    part_o = torch.empty((hq * n_total, splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((hq * n_total, splits), dtype=torch.float32, device=q.device)
-    _ragged_causal_split_kernel[(num_seq * chunks, hkv, splits)](
+    _ragged_causal_split_kernel[(num_seq * chunks, hkv, launch.splits)](
         q,
         k_pool,
         v_pool,
         seq_slots,
         seq_prefix,
-        part_o,
-        part_lse,
+        launch.part_o,
+        launch.part_lse,
         n_total,
         per_seq,
         chunks,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_pool.stride(0),
-        k_pool.stride(1),
-        k_pool.stride(2),
-        v_pool.stride(0),
-        v_pool.stride(1),
-        v_pool.stride(2),
+        launch.qk_scale,
+        *launch.strides,
         GROUP=group,
         QUERIES=queries,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        NUM_SPLITS=splits,
+        NUM_SPLITS=launch.splits,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
         num_stages=2,
     )
-    _merge(part_o, part_lse, out, hq, n_total, splits)
-    return out
+    _merge(launch.part_o, launch.part_lse, launch.out, hq, n_total, launch.splits)
+    return launch.out
 
 
 def ragged_tree_attention_reference(
