@@ -48,25 +48,24 @@ class FusedCache(Protocol):
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, offset: Offset,
-            ancestors: torch.Tensor, invariant: bool, causal: bool) -> torch.Tensor:
+            ancestors: torch.Tensor, invariant: bool,
+            block_at: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Attention output as ``[B, N, Hq * D]``: written in place by the invariant kernel, else copied.
 
-    ``causal`` (``ancestors`` lower-triangular, a prompt block) with one sequence takes the ragged causal
-    kernel, whose programs hold several of the block's nodes: bitwise the per-node kernel's result
-    (``kernels/ragged_attention.py``), so a prompt's keys and hidden states do not depend on the path."""
+    ``block_at`` (slot and prefix as ``[1]`` tensors; one sequence's causal block of a prompt) takes the
+    ragged causal kernel, whose programs hold several of the block's nodes: bitwise the per-node kernel's
+    result (``kernels/ragged_attention.py``), so a prompt's keys and hidden states do not depend on the
+    path."""
     from elesium.kernels import invariant_attention
     from elesium.kernels.tree_attention import backend, tree_attention
 
     b, hq, n, d = q.shape
     if invariant and backend() != "reference" and invariant_attention.supports(q, k_cache, v_cache):
         out = torch.empty((b, n, hq, d), dtype=q.dtype, device=q.device)
-        if causal and b == 1 and n > 1:
+        if block_at is not None:
             from elesium.kernels.ragged_attention import ragged_causal_attention
 
-            prefix = (offset.reshape(1) if isinstance(offset, torch.Tensor)
-                      else torch.full((1,), offset, dtype=torch.int32, device=q.device))
-            slot = torch.zeros(1, dtype=prefix.dtype, device=q.device)
-            ragged_causal_attention(q[0], k_cache, v_cache, slot, prefix, out=out[0].transpose(0, 1))
+            ragged_causal_attention(q[0], k_cache, v_cache, *block_at, out=out[0].transpose(0, 1))
         else:
             invariant_attention.invariant_tree_attention(q, k_cache, v_cache, offset, ancestors,
                                                          out=out.transpose(1, 2))
@@ -85,13 +84,18 @@ def fused_forward(model: FusedModel, tokens: torch.Tensor, positions: torch.Tens
     cos = model.rope_cos[pos].expand(b, n, c.head_dim)
     sin = model.rope_sin[pos].expand(b, n, c.head_dim)
     layers = model.layers
+    block_at = None
+    if causal and b == 1 and n > 1:  # built once, not in each layer
+        prefix = (offset.reshape(1) if isinstance(offset, torch.Tensor)
+                  else torch.full((1,), offset, dtype=torch.int32, device=tokens.device))
+        block_at = (torch.zeros(1, dtype=prefix.dtype, device=tokens.device), prefix)
     x = model.embed(tokens)
     normed = layers[0].attn_norm(x)
     for i, layer in enumerate(layers):
         attn = layer.attn
         q = rope_qkv_to_cache(attn.wqkv(normed), cos, sin, cache.k[i], cache.v[i], offset,
                               c.num_heads, c.num_kv_heads)
-        heads_out = _attend(q, cache.k[i], cache.v[i], offset, ancestors, attn.invariant, causal)
+        heads_out = _attend(q, cache.k[i], cache.v[i], offset, ancestors, attn.invariant, block_at)
         x, normed = add_rms_norm(x, attn.wo(heads_out), layer.mlp_norm.weight, layer.mlp_norm.eps)
         following = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
         x, normed = add_rms_norm(x, layer.w2(swiglu(layer.w13(normed))), following.weight, following.eps)
