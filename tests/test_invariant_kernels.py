@@ -128,6 +128,7 @@ def test_matmul_config_is_a_function_of_the_weight() -> None:
 # kernels on the host): every model shape with its shipped config, bf16, bias and none.
 _GPU_ROWS_CHECK = """
 import torch
+from elesium.kernels import invariant_matmul as im
 from elesium.kernels.invariant_matmul import _TABLE, invariant_linear, linear_reference
 bad = []
 for (n, k) in _TABLE:
@@ -135,12 +136,14 @@ for (n, k) in _TABLE:
         g = torch.Generator(device="cuda").manual_seed(n + k)
         w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
         b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) if bias else None
-        x = torch.randn(133, k, device="cuda", generator=g).to(torch.bfloat16)
-        alone = torch.stack([invariant_linear(x[i:i + 1], w, b)[0] for i in range(133)])
-        for m in (1, 7, 64, 128):
-            for off in (0, 5):
-                if not torch.equal(invariant_linear(x[off:off + m], w, b), alone[off:off + m]):
-                    bad.append((n, k, bias, m, off))
+        x = torch.randn(310, k, device="cuda", generator=g).to(torch.bfloat16)
+        alone = torch.stack([invariant_linear(x[i:i + 1], w, b)[0] for i in range(310)])
+        for wide in sorted({0, 32, 64, im.WIDE_BLOCK_M}):  # 0: the table's tiles for every M
+            im.WIDE_BLOCK_M = wide
+            for m in (1, 7, 64, 128, 300):
+                for off in (0, 5):
+                    if not torch.equal(invariant_linear(x[off:off + m], w, b), alone[off:off + m]):
+                        bad.append((n, k, bias, wide, m, off))
         ref = linear_reference(x.double(), w.double(), None if b is None else b.double())
         rel = float((invariant_linear(x, w, b).double() - ref).norm() / ref.norm())
         if not rel < 1e-2:
@@ -153,8 +156,9 @@ assert not bad, bad
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests run on a CUDA machine")
 def test_matmul_rows_do_not_depend_on_m_on_gpu() -> None:
-    """bf16 on the GPU, each model shape with its shipped config (split-K for w2): rows of M = 1, 7, 64 and
-    128 products, at batch offsets 0 and 5, equal bitwise the same rows computed alone."""
+    """bf16 on the GPU, each model shape with its shipped config (split-K for w2): rows of M = 1, 7, 64, 128
+    and 300 products, at batch offsets 0 and 5, equal bitwise the same rows computed alone, with the
+    table's 16-row tiles for every M and with taller tiles (32 and 64 rows) from ``WIDE_ROWS`` rows on."""
     import subprocess
     import tempfile
 

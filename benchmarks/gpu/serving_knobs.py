@@ -16,6 +16,7 @@ Usage (device): ``ELESIUM_MAX_BATCH=64 python3 -P benchmarks/gpu/serving_knobs.p
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ import serving  # noqa: E402  (benchmarks/serving.py: the same requests and summ
 
 from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
+from elesium.kernels import invariant_matmul  # noqa: E402
 
 KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill")
 SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps
@@ -38,7 +40,9 @@ SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecu
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
-REPS = 2
+REPS = int(os.environ.get("KNOB_REPS", "2"))
+if os.environ.get("KNOB_SETTINGS"):  # e.g. "0,1": a subset of SETTINGS, by index
+    SETTINGS = [SETTINGS[int(i)] for i in os.environ["KNOB_SETTINGS"].split(",")]
 
 
 def main() -> int:
@@ -101,6 +105,7 @@ def main() -> int:
             print(json.dumps(table[-1]))
     out.write_text(json.dumps({"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "engine": engine.describe(), "solo": solo,
+                               "wide_block_m": invariant_matmul.WIDE_BLOCK_M,
                                "solo_by_chain": solos, "table": table, "runs": runs},
                               indent=1, default=str) + "\n")
     return 0
