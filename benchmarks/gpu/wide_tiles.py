@@ -9,6 +9,7 @@ Hopper). This checks it for every SmolLM2 weight shape, bf16, with and without b
 offsets, against the rows computed alone, and times each tile height by CUDA-graph replay.
 
     python3 -P benchmarks/gpu/wide_tiles.py OUT.json
+    python3 -P benchmarks/gpu/wide_tiles.py --sweep OUT.json   # whole configurations for many rows
 """
 
 from __future__ import annotations
@@ -48,7 +49,49 @@ def _graph_us(fn: Any, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def sweep(out: Path) -> int:
+    """``--sweep``: whole tile configurations for many-row products (height, width, K chunk, stages), each
+    checked bitwise against the rows computed alone with the table's config (the K ranges of a split stay
+    the same: every chunk divides them), and timed at M = 96, 288 and 512. If a row's bits depend on none
+    of these, the many-row products can have a configuration of their own."""
+    import itertools
+
+    dev, bf = "cuda", torch.bfloat16
+    rows: list[dict[str, Any]] = []
+    for (n, k), table in im._TABLE.items():
+        if (n, k) == (192, 576):
+            continue  # the unfused k/v projections: not in the fused forward
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(bf)
+        x = torch.randn(520, k, device=dev, generator=g).to(bf)
+        im.WIDE_BLOCK_M = 0
+        alone = torch.stack([im.invariant_linear(x[i:i + 1], w)[0] for i in range(x.shape[0])])
+        base = {m: _graph_us(lambda m=m: im.invariant_linear(x[:m], w)) for m in (96, 288, 512)}
+        rows.append({"n": n, "k": k, "config": list(table), "us": base})
+        print(f"{n}x{k} table {tuple(table)}: " + ", ".join(f"M={m} {t:.1f}" for m, t in base.items()),
+              file=sys.stderr)
+        for bm, bn, bk, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), (3, 4)):
+            cfg = im.Config(bm, bn, bk, table.split_k, 8 if bm * bn >= 128 * 64 else 4, stages)
+            try:
+                same = all(torch.equal(im.invariant_linear(x[off:off + m], w, config=cfg), alone[off:off + m])
+                           for m in (64, 288, 512) for off in (0, 7))
+                us = {m: _graph_us(lambda m=m, cfg=cfg: im.invariant_linear(x[:m], w, config=cfg))
+                      for m in (96, 288, 512)}
+            except Exception as exc:  # out of shared memory or registers: recorded
+                rows.append({"n": n, "k": k, "config": list(cfg), "error": type(exc).__name__})
+                continue
+            rows.append({"n": n, "k": k, "config": list(cfg), "bitwise": same, "us": us})
+            times = ", ".join(f"M={m} {t:.1f}" for m, t in us.items())
+            print(f"{n}x{k} {tuple(cfg)} bitwise {same}: {times}", file=sys.stderr)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "rows": rows}, indent=1) + "\n")
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1] == "--sweep":
+        return sweep(Path(sys.argv[2]))
     out = Path(sys.argv[1])
     dev, bf = "cuda", torch.bfloat16
     shapes: list[dict[str, Any]] = []
