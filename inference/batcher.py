@@ -165,6 +165,10 @@ class Batcher:
         # which then captures the block-carrying graphs). Off: no gain measured (BENCHMARKS §25).
         self.fold_prefill = False
         self.folded_blocks = 0  # prompt blocks that rode in a decode step's forward (metrics, tests)
+        # Newcomers' first tokens before the batch's step, so that they join it in the iteration that
+        # prefilled them (CUDA, without ``fold_prefill``); off: the step first, as before (BENCHMARKS §27).
+        self.join_early = False
+        self.joined_early = 0  # newcomers that joined the step of the iteration that prefilled them (tests)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -194,9 +198,13 @@ class Batcher:
         self.largest_batch = 0
         self.split_prefills = 0  # prompts whose prefill was spread over more than one iteration
         # Seconds the loop spent on each kind of work since it was built (metrics: where serving time goes).
-        # "batched_step" is the forward and "take_rows" the rows' tokens handed to their generations.
-        self.busy_s: dict[str, float] = {"jobs": 0.0, "prefill": 0.0, "solo_step": 0.0, "batched_step": 0.0,
-                                         "take_rows": 0.0, "gather": 0.0}
+        # "batched_step" is the forward and "take_rows" the rows' tokens handed to their generations. On
+        # CUDA a newcomer's prompt splits three ways: "prefill_forward" (its blocks in the shared prefill
+        # forwards), "first_token" (its decoder picking the first token once every block is done) and
+        # "prefill" (blocks left past the iteration's budget, run on its own; all of a prompt on the CPU).
+        self.busy_s: dict[str, float] = dict.fromkeys(
+            ("jobs", "prefill", "prefill_forward", "first_token", "solo_step", "batched_step", "take_rows",
+             "gather"), 0.0)
 
     # -- what the engine and its streams call ------------------------------------------------------
     @property
@@ -471,7 +479,7 @@ class Batcher:
             self.prefill_rows += len(group)
             if budget is not None:
                 budget -= len(group)
-        self.busy_s["prefill"] += time.perf_counter() - started - carried_s
+        self.busy_s["prefill_forward"] += time.perf_counter() - started - carried_s
         return budget, fresh, offered and carry is None
 
     def _ahead_capable(self, run: _Run) -> bool:
@@ -570,74 +578,94 @@ class Batcher:
             log.warning("compiling the batched step on the step loop: %d generations wait for it "
                         "(warm the engine up at start: Engine.warm_up)", len(work))
             self.warm_up()
-        engine, pool = self.engine, self.pool
-        runner = engine.runner
         # While anything decodes, newcomers' prompts share a budget of blocks per iteration.
         budget = (PREFILL_BLOCKS * (CUDA_PREFILL_FACTOR if self._cuda else 1)
                   if any(r.state == "running" for r in list(self._slot)) else None)
         deferred: set[_Run] = set()
         fresh: set[_Run] = set()
+        alone: set[_Run] = set()  # done before the batch's step
         stepped = False
         if self._cuda and self._step is not None:
             # With ``fold_prefill`` the batch's step first, carrying the newcomers' first round of prompt
             # blocks (their first tokens, in the loop below, then wait for one forward, not for a prefill
-            # forward and a step); without it the prefill forwards, then the step.
+            # forward and a step); without it the prefill forwards, then (``join_early``) the newcomers'
+            # first tokens, then the step.
+            new = [r for r in work if r.state == "new"]
             batch = self._held(rows)
             carry = functools.partial(self._decode_batch, batch) if batch and self.fold_prefill else None
-            budget, fresh, carried = self._prefill_together([r for r in work if r.state == "new"], budget,
-                                                            carry)
+            budget, fresh, carried = self._prefill_together(new, budget, carry)
+            if self.join_early and not carried:
+                # The newcomers' first tokens before the step, and those it can decode ahead join it: a
+                # newcomer then decodes from the iteration that prefilled it, not from the next one.
+                for run in new:
+                    budget = self._work_alone(run, budget, fresh, deferred)
+                alone.update(new)
+                joining = [r for r in new if r not in deferred and _batchable(r) and self._runs_ahead(r)]
+                self.joined_early += len(joining)
+                batch = self._held(rows + joining)
             if batch and not carried:
                 self._decode_batch(batch, [])
             stepped = True
         for run in work:
-            if rows and run in rows:
+            if (rows and run in rows) or run in alone:
                 continue
-            slot = self._work_slots[run]
-            kind = "prefill" if run.state == "new" else "solo_step"
-            offset = run._decoder.offset if run._decoder is not None else len(run.prompt_ids)
-            started = time.perf_counter()
-            pool.reserve(slot, window_for(offset + RESERVE_AHEAD, pool.max_len))
-            runner.cache = pool.cache(slot)
-            if isinstance(runner, CudaGraphRunner) and self._cuda and self._step is not None:
-                runner.slot_step = (self._step, slot)  # type: ignore[assignment]
-            try:
-                if kind == "prefill":
-                    resumed = run in self._partial and run not in fresh
-                    partial = self._partial.setdefault(run, PartialPrefill(list(run.prompt_ids)))
-                    if run.timing.gate_at is None:
-                        run.timing.gate_at = started  # its prefill starts now, whatever its pieces
-                    if budget is not None:
-                        with torch.inference_mode():
-                            runner.prefill_blocks(partial, 0)  # prefix-cache hits cost nothing
-                        need = -(-partial.left // PREFILL_CHUNK)
-                        if need > budget:
-                            with torch.inference_mode():
-                                runner.prefill_blocks(partial, min(budget, need - 1))
-                            budget -= min(budget, need - 1)
-                            deferred.add(run)
-                            continue
-                        budget -= need
-                    self.split_prefills += resumed
-                    runner.partial = partial
-                if run.mode != "vanilla":
-                    self._own_drafter(run)
-                run._work()
-            except BaseException as exc:
-                run._error = exc
-                deferred.discard(run)
-            finally:
-                runner.cache = engine.cache
-                if isinstance(runner, CudaGraphRunner):
-                    runner.slot_step = None
-                runner.partial = None
-                if run not in deferred:
-                    self._partial.pop(run, None)
-                self.solo_steps += 1
-                self.busy_s[kind] += time.perf_counter() - started
+            budget = self._work_alone(run, budget, fresh, deferred)
         batch = [] if stepped else self._held(rows)
         if batch:
             self._decode_batch(batch, [])
         return deferred
+
+    def _work_alone(self, run: _Run, budget: int | None, fresh: set[_Run], deferred: set[_Run]) -> int | None:
+        """``run``'s work on its own slot: a newcomer's prompt (what ``budget`` leaves of it; a prompt past
+        the budget goes on in a later iteration and joins ``deferred``) and its first token, or a step
+        outside the batch (a tree step). Returns the budget left."""
+        engine, pool = self.engine, self.pool
+        runner = engine.runner
+        slot = self._work_slots[run]
+        kind = "prefill" if run.state == "new" else "solo_step"
+        offset = run._decoder.offset if run._decoder is not None else len(run.prompt_ids)
+        started = time.perf_counter()
+        pool.reserve(slot, window_for(offset + RESERVE_AHEAD, pool.max_len))
+        runner.cache = pool.cache(slot)
+        if isinstance(runner, CudaGraphRunner) and self._cuda and self._step is not None:
+            runner.slot_step = (self._step, slot)  # type: ignore[assignment]
+        try:
+            if kind == "prefill":
+                resumed = run in self._partial and run not in fresh
+                partial = self._partial.setdefault(run, PartialPrefill(list(run.prompt_ids)))
+                if run.timing.gate_at is None:
+                    run.timing.gate_at = started  # its prefill starts now, whatever its pieces
+                if budget is not None:
+                    with torch.inference_mode():
+                        runner.prefill_blocks(partial, 0)  # prefix-cache hits cost nothing
+                    need = -(-partial.left // PREFILL_CHUNK)
+                    if need > budget:
+                        with torch.inference_mode():
+                            runner.prefill_blocks(partial, min(budget, need - 1))
+                        budget -= min(budget, need - 1)
+                        deferred.add(run)
+                        return budget
+                    budget -= need
+                self.split_prefills += resumed
+                runner.partial = partial
+                if self._cuda and partial.left == 0:
+                    kind = "first_token"
+            if run.mode != "vanilla":
+                self._own_drafter(run)
+            run._work()
+        except BaseException as exc:
+            run._error = exc
+            deferred.discard(run)
+        finally:
+            runner.cache = engine.cache
+            if isinstance(runner, CudaGraphRunner):
+                runner.slot_step = None
+            runner.partial = None
+            if run not in deferred:
+                self._partial.pop(run, None)
+            self.solo_steps += 1
+            self.busy_s[kind] += time.perf_counter() - started
+        return budget
 
     def _held(self, rows: list[_Run]) -> list[tuple[_Run, VanillaDecoder]]:
         """The batch: ``rows`` with their decoders, each read once (one decoded ahead may be closed on its

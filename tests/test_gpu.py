@@ -628,7 +628,8 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     """Batched serving on CUDA (``runtime/batched_cuda_step.py``, ``max_batch`` 16): 12 prompts of mixed
     lengths, vanilla greedy, vanilla seeded T = 0.7 and speculative greedy, each joining a few steps
     after the one before, get exactly the tokens the engine gives each alone on its own cache through
-    the one-sequence graphs (decode chains, tree chains); the batched step's rows equal the
+    the one-sequence graphs (decode chains, tree chains), with newcomers joining the step of the
+    iteration that prefilled them (``join_early``) and without; the batched step's rows equal the
     one-sequence step's logits bitwise; and the step did batch."""
     import time
 
@@ -654,25 +655,31 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     finally:
         engine.batcher = batcher
     batcher.warm_up()
-    got: dict[int, tuple[int, ...]] = {}
-    errors: list[BaseException] = []
-    base = batcher.batched_steps + batcher.solo_steps
+    for join_early in (False, True):  # newcomers join the step of the iteration that prefilled them, or next
+        batcher.join_early = join_early
+        joined = batcher.joined_early
+        got: dict[int, tuple[int, ...]] = {}
+        errors: list[BaseException] = []
+        base = batcher.batched_steps + batcher.solo_steps
 
-    def run(i: int) -> None:
-        try:
-            deadline = time.monotonic() + 120
-            while batcher.batched_steps + batcher.solo_steps < base + 2 * i and time.monotonic() < deadline:
-                time.sleep(0.001)
-            mode, params = case(i)
-            got[i] = engine.generate(prompts[i], params, mode=mode).token_ids
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        def run(i: int) -> None:
+            try:
+                deadline = time.monotonic() + 120
+                while (batcher.batched_steps + batcher.solo_steps < base + 2 * i
+                       and time.monotonic() < deadline):
+                    time.sleep(0.001)
+                mode, params = case(i)
+                got[i] = engine.generate(prompts[i], params, mode=mode).token_ids
+            except BaseException as exc:  # reported below
+                errors.append(exc)
 
-    _in_threads(run, len(prompts), 300)
-    assert not errors, errors
-    assert batcher.largest_batch >= 4, f"they did not batch (largest batch {batcher.largest_batch})"
-    for i in range(len(prompts)):
-        assert got[i] == solo[i], (i, case(i), _diverge(got[i], solo[i]))
+        _in_threads(run, len(prompts), 300)
+        assert not errors, errors
+        assert batcher.largest_batch >= 4, f"they did not batch (largest batch {batcher.largest_batch})"
+        for i in range(len(prompts)):
+            assert got[i] == solo[i], (join_early, i, case(i), _diverge(got[i], solo[i]))
+        assert (batcher.joined_early > joined) == join_early
+    batcher.join_early = False
     # Row level: the bucket-4 graph's rows against the one-sequence graph on the engine's own cache.
     ids = [engine.encode_prompt(p)[:30 + 45 * i] for i, p in enumerate(mt_bench_prompts[:3])]
     runner, pool = engine.runner, batcher.pool

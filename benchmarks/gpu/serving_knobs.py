@@ -5,7 +5,8 @@ Why: at 32 concurrent the loop's batched step costs ~2.0 ms for ~29 rows against
 decoded before a consumer asks), ``WAKE_EVERY`` (tokens that wake a waiting consumer) and
 ``CUDA_PREFILL_FACTOR`` (prompt blocks per iteration while others decode) trade host work for latency, and
 ``CHAIN_STEPS`` (greedy steps per graph replay, fed back on the device) cuts the host work per token, and
-``fold_prefill`` has newcomers' prompt blocks ride in the decode step's forward.
+``fold_prefill`` has newcomers' prompt blocks ride in the decode step's forward, and ``join_early`` has
+newcomers pick their first token before the step and join it.
 This loads the engine once and runs each setting at 32 and 64 concurrent, 256 requests a level, in
 interleaved repetitions (A B C A B C), and reports each setting's median tokens/s beside the engine's
 own concurrency-1 rate measured in the same process.
@@ -31,12 +32,15 @@ from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 from elesium.kernels import invariant_matmul  # noqa: E402
 
-KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill")
-SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps
-    (16, 8, 8, 8, True, False),  # the defaults of BENCHMARKS §23
-    (16, 8, 8, 8, True, True),
-    (16, 8, 16, 8, True, True),
-    (8, 4, 8, 4, True, True),
+KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill",
+         "join_early")
+SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps,
+    # newcomers' first tokens before the step (joining it)
+    (16, 8, 8, 8, True, False, False),  # the defaults of BENCHMARKS §23
+    (16, 8, 8, 8, True, True, False),
+    (16, 8, 16, 8, True, True, False),
+    (8, 4, 8, 4, True, True, False),
+    (16, 8, 8, 8, True, False, True),  # §27
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -82,6 +86,7 @@ def main() -> int:
             batcher.chain_steps = knobs["chain"]
             batcher.consecutive_blocks = knobs["consecutive_blocks"]
             batcher.fold_prefill = knobs["fold_prefill"]
+            batcher.join_early = knobs["join_early"]
             batcher_module.WAKE_EVERY = knobs["wake_every"]
             batcher_module.CUDA_PREFILL_FACTOR = knobs["prefill_factor"]
             for c in LEVELS:
