@@ -28,6 +28,7 @@ position 0 of the pool's scratch slot, which no generation holds, and are sliced
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -227,6 +228,10 @@ class BatchedCudaStep:
         self._decodes: dict[tuple[int, int, int], _Captured] = {}  # (rows, steps, blocks)
         self._mempool: Any = None  # the graphs share one memory pool (torch.cuda.graph_pool_handle)
         self._zeros = torch.zeros(max(self.node_buckets, default=1), dtype=torch.long, device=model.device)
+        # Host seconds inside ``prefill`` (benchmarks: the serving loop spends ~3 ms of host time per newcomer
+        # in its prefill forwards, BENCHMARKS §27): waiting for the staging buffer, filling it, replaying.
+        self.prefill_host_s: dict[str, float] = dict.fromkeys(("wait", "stage", "replay", "outputs"), 0.0)
+        self.prefill_forwards = 0
 
     def warm_up(self) -> None:
         """Capture every graph now (a generation's first step must not pay for it)."""
@@ -408,11 +413,24 @@ class BatchedCudaStep:
             self._prefill_staging(blocks, b, staging)
             hidden = self._prefill_body(staging.to(self.model.device), b)()
         else:
+            times = self.prefill_host_s
+            t0 = time.perf_counter()
             captured = self._prefill_graph(bucket)
-            self._prefill_staging(blocks, bucket, captured.free_staging())
+            staging = captured.free_staging()
+            t1 = time.perf_counter()
+            self._prefill_staging(blocks, bucket, staging)
+            t2 = time.perf_counter()
             captured.replay()
+            t3 = time.perf_counter()
             hidden = captured.out
-        return [hidden[i, :len(tokens)].clone() for i, (_, tokens, _) in enumerate(blocks)]
+            times["wait"] += t1 - t0
+            times["stage"] += t2 - t1
+            times["replay"] += t3 - t2
+        self.prefill_forwards += 1
+        t4 = time.perf_counter()
+        out = [hidden[i, :len(tokens)].clone() for i, (_, tokens, _) in enumerate(blocks)]
+        self.prefill_host_s["outputs"] += time.perf_counter() - t4
+        return out
 
     def _reserve_blocks(self, blocks: Sequence[PromptBlock], allow_none: bool = False) -> None:
         """Refuse blocks ``prefill`` cannot take; reserve the positions their padding writes."""
