@@ -22,15 +22,6 @@ same inputs whatever M is and wherever row m sits in its tile:
 Editing ``_TABLE`` or ``_heuristic`` changes a weight's bits (for every M alike), never their
 equality across M. Callers passing ``config=`` must pass the same one for every M.
 
-One exception, on CUDA only: products of at least ``WIDE_ROWS`` rows (prompt blocks, blocks riding on a
-decode step) may run with taller tiles, ``WIDE_BLOCK_M`` rows instead of the table's 16 (the rest of the
-config unchanged). A 16-row tile reloads the weight tile for every 16 rows, so a 512-row prefill spent
-2.3 ms in this kernel on the H100 (BENCHMARKS §27). Taller tiles change which MMA instructions compute a
-row, not the order in which a row's K chunks are accumulated, and each MMA output element is its own dot
-product; that the bits agree is a property of the hardware, not of this code, so it is what
-tests/test_invariant_kernels.py checks on the GPU (rows of 64- to 300-row products against the same rows
-alone) and ``benchmarks/gpu/wide_tiles.py`` measures before ``WIDE_BLOCK_M`` is turned on.
-
 A row's MMA results do not depend on the other rows of the tile (each output element of a
 tensor-core MMA is its own dot product), and masked-out rows only add work, never change a row's
 operations; tests/test_gpu.py and tests/test_invariant_kernels.py check rows of M = 1..128
@@ -43,7 +34,6 @@ Thinking Machines Lab, 2025, calls this batch invariance.)
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -83,12 +73,6 @@ _TABLE: dict[tuple[int, int], Config] = {
     (576, 1536): Config(16, 32, 256, 3),  # w2: 18 output tiles x 3 splits of 512
     (49152, 576): Config(16, 128, 64, 1),  # lm_head
 }
-
-
-# Taller tiles for products of many rows (see the module docstring); 0 turns them off. On CUDA only: the
-# interpreter's dot (numpy) rounds a row differently by its position in the tile.
-WIDE_ROWS = 64
-WIDE_BLOCK_M = int(os.environ.get("ELESIUM_WIDE_BLOCK_M", "0"))
 
 
 def _heuristic(n: int, k: int) -> Config:
@@ -238,9 +222,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or config_for(n, k, x.dtype)
-    wide = config is None and x.is_cuda and x.dtype != torch.float32 and m >= WIDE_ROWS
-    if wide and WIDE_BLOCK_M > cfg.block_m:
-        cfg = cfg._replace(block_m=WIDE_BLOCK_M)
     split = max(1, cfg.split_k)
     # K_SPLIT: a whole number of BLOCK_K chunks, from K alone; splits past K would be empty, so the
     # effective S is also a function of K alone.

@@ -27,18 +27,9 @@ if [ "$WHAT" = knobs ]; then  # the batched CUDA tests, then the step loop's hos
     "$P" "$OUT/serving_knobs.json"
   exit 0
 fi
-if [ "$WHAT" = wide ]; then  # taller matmul tiles for many-row products (kernels/invariant_matmul.py): bits
-  # and times per tile height (benchmarks/gpu/wide_tiles.py), then serving side by side, one process per height:
-  # the table's tiles (0) and the fastest height whose rows all matched (or WIDE), fold off and on
+if [ "$WHAT" = wide ]; then  # taller matmul tiles and whole tile configs (benchmarks/gpu/wide_tiles.py): bits and times
   run_logged wide_tiles.log 200 python3 -P benchmarks/gpu/wide_tiles.py "$OUT/wide_tiles.json"
-  best=$(python3 -c "import json, sys; d = json.load(open(sys.argv[1])); ok = [h for h in d['layer_us_at_512']
-if all(not s['heights'][h].get('mismatched', [1]) for s in d['shapes'])]; print(min(ok, key=lambda h:
-d['layer_us_at_512'][h]) if ok else 0)" "$OUT/wide_tiles.json")
-  for w in 0 "${WIDE:-$best}"; do
-    run_logged "serving_knobs_wide$w.log" "${SERVING_S:-190}" env ELESIUM_WIDE_BLOCK_M="$w" ELESIUM_MAX_BATCH=64 \
-      KNOB_SETTINGS="${KNOB_SETTINGS:-0,1}" KNOB_REPS="${KNOB_REPS:-2}" python3 -P benchmarks/gpu/serving_knobs.py \
-      "$P" "$OUT/serving_knobs_wide$w.json"
-  done
+  run_logged wide_sweep.log 200 python3 -P benchmarks/gpu/wide_tiles.py --sweep "$OUT/wide_sweep.json"
   exit 0
 fi
 if [ "$WHAT" = profile ]; then  # the batched CUDA tests (TESTS=0 skips them), then a prefill's time per kernel

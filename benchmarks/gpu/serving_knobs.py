@@ -30,7 +30,6 @@ import serving  # noqa: E402  (benchmarks/serving.py: the same requests and summ
 
 from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
-from elesium.kernels import invariant_matmul  # noqa: E402
 
 KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill",
          "join_early")
@@ -110,7 +109,6 @@ def main() -> int:
             print(json.dumps(table[-1]))
     out.write_text(json.dumps({"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "engine": engine.describe(), "solo": solo,
-                               "wide_block_m": invariant_matmul.WIDE_BLOCK_M,
                                "solo_by_chain": solos, "table": table, "runs": runs},
                               indent=1, default=str) + "\n")
     return 0

@@ -2,8 +2,8 @@
 
 Why: the invariant matmul runs every weight with 16-row tiles (tuned for decode, M = 1..32), so a prefill
 forward of 8 prompt blocks (512 rows) spent 2.3 ms of its ~3.6 ms in it on the H100 (BENCHMARKS §27), and a
-prompt block riding on a decode step cost ~0.43 ms. ``invariant_matmul.WIDE_BLOCK_M`` gives products of
-``WIDE_ROWS`` rows or more taller tiles; that is exact only if a row's result does not depend on the tile
+prompt block riding on a decode step cost ~0.43 ms. Taller tiles for many-row products would be exact only
+if a row's result does not depend on the tile
 height, a property of the MMA instructions the compiler picks (mma.sync for 16 and 32 rows, wgmma for 64 on
 Hopper). This checks it for every SmolLM2 weight shape, bf16, with and without bias, at several M and batch
 offsets, against the rows computed alone, and times each tile height by CUDA-graph replay.
@@ -26,6 +26,7 @@ import torch
 from elesium.kernels import invariant_matmul as im
 
 HEIGHTS = (0, 32, 64, 128)  # 0: the table's 16-row tiles for every M
+WIDE_ROWS = 64  # timed with the taller tiles from this many rows on, the table's below (as serving would)
 CHECK_M = (64, 65, 100, 128, 200, 300, 512)
 TIME_M = (1, 32, 64, 96, 128, 288, 512)
 
@@ -64,7 +65,6 @@ def sweep(out: Path) -> int:
         g = torch.Generator(device=dev).manual_seed(n + k)
         w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(bf)
         x = torch.randn(520, k, device=dev, generator=g).to(bf)
-        im.WIDE_BLOCK_M = 0
         alone = torch.stack([im.invariant_linear(x[i:i + 1], w)[0] for i in range(x.shape[0])])
         base = {m: _graph_us(lambda m=m: im.invariant_linear(x[:m], w)) for m in (96, 288, 512)}
         rows.append({"n": n, "k": k, "config": list(table), "us": base})
@@ -100,27 +100,29 @@ def main() -> int:
         w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(bf)
         b = torch.randn(n, device=dev, generator=g).to(bf)
         x = torch.randn(max(CHECK_M) + 8, k, device=dev, generator=g).to(bf)
-        im.WIDE_BLOCK_M = 0
         alone = {bias: torch.stack([im.invariant_linear(x[i:i + 1], w, b if bias else None)[0]
                                     for i in range(x.shape[0])]) for bias in (False, True)}
         row: dict[str, Any] = {"n": n, "k": k, "config": list(cfg), "heights": {}}
         for height in HEIGHTS:
-            im.WIDE_BLOCK_M = height
+            tall = None if height == 0 else cfg._replace(block_m=height)
             try:
-                im.invariant_linear(x[:max(CHECK_M)], w)
+                im.invariant_linear(x[:max(CHECK_M)], w, config=tall)
             except Exception as exc:  # e.g. a tile past the shared memory: recorded, not fatal
                 row["heights"][height] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 print(f"{n}x{k} height {height}: {row['heights'][height]['error']}", file=sys.stderr)
                 continue
+
+            def product(m: int, bias: bool, off: int = 0, tall: im.Config | None = tall) -> torch.Tensor:
+                return im.invariant_linear(x[off:off + m], w, b if bias else None,
+                                           config=tall if m >= WIDE_ROWS else None)
+
             mismatched = [(m, off, bias) for m in CHECK_M for off in (0, 7) for bias in (False, True)
-                          if not torch.equal(im.invariant_linear(x[off:off + m], w, b if bias else None),
-                                             alone[bias][off:off + m])]
-            timing = {m: _graph_us(lambda m=m: im.invariant_linear(x[:m], w)) for m in TIME_M}
+                          if not torch.equal(product(m, bias, off), alone[bias][off:off + m])]
+            timing = {m: _graph_us(lambda m=m, product=product: product(m, False)) for m in TIME_M}
             row["heights"][height] = {"mismatched": mismatched, "us": timing}
             print(f"{n}x{k} height {height or 16}: {len(mismatched)} mismatched; "
                   + ", ".join(f"M={m} {t:.1f} us" for m, t in timing.items()), file=sys.stderr)
         shapes.append(row)
-    im.WIDE_BLOCK_M = 0
     # A layer's four products (w13, w2, wqkv, wo) at 512 rows, summed, per height: what one prefill of
     # 8 blocks spends per layer.
     four = {(3072, 576), (576, 1536), (960, 576), (576, 576)}
