@@ -507,8 +507,13 @@ class Batcher:
         """Whether ``run``'s waiting consumer is left asleep until more tokens are ready: a run decoded ahead
         wakes its consumer every ``WAKE_EVERY`` tokens (or at its end), not every step, because each
         wake-up is a thread switch under the GIL, which on CUDA costs more than the step's work for
-        the token (BENCHMARKS §19)."""
-        return len(run._produced) < WAKE_EVERY and self._runs_ahead(run)
+        the token (BENCHMARKS §19). Its first token is the exception: a consumer that has published nothing
+        yet is woken at once, so its time to first token is the prefill's, not ``WAKE_EVERY`` more steps
+        (a sampled row takes one token a step, so that wait was seven steps on CUDA)."""
+        produced = run._produced
+        if produced and produced[0][1] is None:  # the prefill's first token waits, unpublished
+            return False
+        return len(produced) < WAKE_EVERY and self._runs_ahead(run)
 
     def _any_ahead(self) -> bool:
         return bool(self.lookahead) and any(self._runs_ahead(r) for r in list(self._slot))

@@ -540,6 +540,38 @@ def test_decoding_ahead_of_slow_consumers_keeps_their_output(batched, mt_bench_p
 
 
 
+def test_a_consumer_decoded_ahead_gets_its_first_token_at_once(batched, mt_bench_prompts):
+    """With ``lookahead`` on, a waiting consumer is woken every ``WAKE_EVERY`` tokens, except for its first
+    token: that one is published as soon as the prefill made it, not after the loop decoded ``WAKE_EVERY``
+    more (seven steps of a sampled row on CUDA). The output is still the solo output."""
+    from elesium.inference.batcher import WAKE_EVERY
+
+    engine, batcher = batched, batched.batcher
+    prompt = mt_bench_prompts[50]
+    params = SamplingParams(max_tokens=24, temperature=0.7, top_p=0.95, seed=5)
+    engine.batcher = None
+    try:
+        solo = engine.generate(prompt, params, mode="vanilla")
+    finally:
+        engine.batcher = batcher
+    assert len(solo.token_ids) > WAKE_EVERY
+    batcher.lookahead = 16
+    try:
+        with engine.stream(prompt, params, mode="vanilla") as stream:
+            chunks = iter(stream)
+            next(chunks)
+            published_at_first = len(stream._run._text.token_ids)
+            for _ in chunks:
+                pass
+            result = stream.result
+    finally:
+        batcher.lookahead = 0
+    assert result is not None and result.token_ids == solo.token_ids
+    # Woken at its first token: the loop had made one or two more by the time this thread ran, never
+    # the WAKE_EVERY it waited for before.
+    assert 1 <= published_at_first < WAKE_EVERY, published_at_first
+
+
 def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_prompts):
     """With chains on (CUDA's default ``CHAIN_STEPS``, here on the CPU step) the loop runs several greedy
     steps per batch, each step's picks fed back as the next step's input: every generation still gets its
