@@ -452,7 +452,7 @@ class BatchedCudaStep:
 
         Written through a numpy view of the host buffer, not with torch ops: each torch op releases the GIL
         and must take it back from the consumer threads, which at 32 concurrent cost ~4 ms per staging of
-        ~20 small ops (BENCHMARKS §28d); numpy's small writes keep it."""
+        ~20 small ops (BENCHMARKS §28c); numpy's small writes keep it."""
         chunk = self.block
         host = staging.numpy()
         tokens = host[:bucket * chunk].reshape(bucket, chunk)
