@@ -171,6 +171,14 @@ class Batcher:
         # 32 concurrent and 1.06x at 64, time to first token p50 69 -> 46 ms at 32 (BENCHMARKS §27e).
         self.join_early = True
         self.joined_early = 0  # newcomers that joined the step of the iteration that prefilled them (tests)
+        # Consumers an iteration finished are woken when the next batched step has started on the device,
+        # not at once (CUDA; settable: tests run it on the CPU). Woken at once, they run their Python while
+        # the loop stages and replays the next prefill and picks first tokens, and every torch op there
+        # hands them the GIL and waits to get it back (~2.7 ms a prefill forward at 32 concurrent on the
+        # H100, BENCHMARKS §28c). Woken at the launch, they run while the GPU computes. Only rows the loop
+        # decodes ahead are held: nothing waits for their consumers (a tree step's consumer must ask first).
+        self.defer_wakes = self._cuda
+        self._held_wakes: list[_Run] = []  # finished by the last iteration, to wake (``_flush_wakes``)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -248,6 +256,7 @@ class Batcher:
                                       precompile=self.engine.precompile)
                 scratch = self.slots  # never handed to a generation
                 step.decode([0, 0], [0, 1], [scratch, scratch])
+            step.on_launch = self._flush_wakes
             self._step = step  # set last: a step that sees it may use the compiled graph
             log.info("batched step ready in %.1f s", time.perf_counter() - started)
 
@@ -334,6 +343,17 @@ class Batcher:
         if waiter is not None:
             waiter.notify()
 
+    def _flush_wakes(self) -> None:
+        """Wake the consumers held by ``defer_wakes``: called by the step once its forward is launched, and
+        by the loop before it waits for anything and at the end of an iteration with no step, so a
+        consumer is never held past the next iteration."""
+        if not self._held_wakes:
+            return
+        with self._lock:
+            held, self._held_wakes = self._held_wakes, []
+            for run in held:
+                self._wake_run(run)
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop's thread between two steps and return its value (or raise its error)."""
         with self._lock:
@@ -378,6 +398,7 @@ class Batcher:
                     run._error = run._error or exc
             finally:
                 with self._lock:
+                    self._flush_wakes()  # the last iteration's, if this one launched no step
                     for job in jobs:
                         job.done = True
                         job.ready.notify()
@@ -390,7 +411,10 @@ class Batcher:
                         if run in self._wanted:  # else released meanwhile (a finaliser): nobody waits
                             del self._wanted[run]
                             self._done.add(run)
-                            self._wake_run(run)
+                            if self.defer_wakes and self._ahead_capable(run):  # decoded ahead meanwhile
+                                self._held_wakes.append(run)
+                            else:
+                                self._wake_run(run)
 
     def _next(self, jobs: list[_Job], work: list[_Run]) -> bool:
         """Wait for work, gather the running generations' asks, admit new ones; fill ``jobs`` and ``work``.
@@ -406,6 +430,7 @@ class Batcher:
                 if left <= 0:
                     self._thread = None
                     return False
+                self._flush_wakes()
                 self._cond.wait(left)
             gather_from = time.monotonic()
             deadline = gather_from + GATHER_S
@@ -414,6 +439,7 @@ class Batcher:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
+                self._flush_wakes()  # the runs it waits for may be among them
                 self._cond.wait(left)
             self.busy_s["gather"] += time.monotonic() - gather_from
             jobs.extend(self._jobs)

@@ -572,6 +572,60 @@ def test_a_consumer_decoded_ahead_gets_its_first_token_at_once(batched, mt_bench
     assert 1 <= published_at_first < WAKE_EVERY, published_at_first
 
 
+def test_consumers_woken_at_the_next_steps_launch_keep_their_output(batched, mt_bench_prompts):
+    """With ``defer_wakes`` (CUDA's default, here on the CPU step) the consumers of rows decoded ahead are
+    woken when the next batched step starts, not at the end of the iteration that made their tokens: every
+    generation still gets its solo tokens, none is left asleep (all four finish), and the wakes were in
+    fact handed out at a step's launch."""
+    engine, batcher = batched, batched.batcher
+    prompts = mt_bench_prompts[52:56]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    sampled = SamplingParams(max_tokens=20, temperature=0.7, top_p=0.95, seed=13)
+    cases = [greedy, sampled, greedy, sampled]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, q, mode="vanilla") for p, q in zip(prompts, cases, strict=True)]
+    finally:
+        engine.batcher = batcher
+    assert batcher._step is not None
+    step = batcher._step
+    at_launch: list[int] = []  # wakes held when a step started
+
+    def launched() -> None:
+        at_launch.append(len(batcher._held_wakes))
+        batcher._flush_wakes()
+
+    got: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            with engine.stream(prompts[i], cases[i], mode="vanilla") as stream:
+                for _ in stream:
+                    pass
+                got[i] = stream.result
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    batcher.lookahead, batcher.defer_wakes, step.on_launch = 8, True, launched
+    try:
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not any(t.is_alive() for t in threads), "a consumer was left asleep"
+    finally:
+        batcher.lookahead, batcher.defer_wakes, step.on_launch = 0, False, batcher._flush_wakes
+    assert not errors, errors
+    for i, result in sorted(got.items()):
+        assert result.token_ids == solo[i].token_ids, i  # type: ignore[attr-defined]
+        assert [s.tokens for s in result.steps] == [s.tokens for s in solo[i].steps], i  # type: ignore[attr-defined]
+    assert len(got) == 4
+    assert sum(at_launch) > 0, "no wake was held until a step's launch"
+    assert not batcher._held_wakes
+
+
 def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_prompts):
     """With chains on (CUDA's default ``CHAIN_STEPS``, here on the CPU step) the loop runs several greedy
     steps per batch, each step's picks fed back as the next step's input: every generation still gets its

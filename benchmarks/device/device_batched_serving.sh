@@ -19,10 +19,10 @@ run_logged() {  # log name, timeout, command...
   tail -4 "$OUT/$log"
 }
 WHAT=${WHAT:-all}  # tests | serving | all | steady: a call may run at most 10 minutes, so they can be split
-if [ "$WHAT" = knobs ]; then  # the batched CUDA tests, then the step loop's host-side knobs side by side
+if [ "$WHAT" = knobs ]; then  # the batched CUDA tests (TESTS=0 skips them), then the loop's host-side knobs side by side
   # (benchmarks/gpu/serving_knobs.py: greedy chains among them; KNOB_SETTINGS picks some, e.g. 0,4)
-  run_logged pytest_gpu_batched.log "${PYTEST_S:-240}" python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s \
-    -p no:cacheprovider -k "${TEST_K:-batched_cuda}"
+  [ "${TESTS:-1}" = 1 ] && run_logged pytest_gpu_batched.log "${PYTEST_S:-240}" python3 -P -m pytest -m gpu \
+    tests/test_gpu.py -ra -s -p no:cacheprovider -k "${TEST_K:-batched_cuda}"
   run_logged serving_knobs.log "${SERVING_S:-330}" env ELESIUM_MAX_BATCH=64 python3 -P benchmarks/gpu/serving_knobs.py \
     "$P" "$OUT/serving_knobs.json"
   exit 0

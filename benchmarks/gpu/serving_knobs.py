@@ -6,7 +6,9 @@ decoded before a consumer asks), ``WAKE_EVERY`` (tokens that wake a waiting cons
 ``CUDA_PREFILL_FACTOR`` (prompt blocks per iteration while others decode) trade host work for latency, and
 ``CHAIN_STEPS`` (greedy steps per graph replay, fed back on the device) cuts the host work per token, and
 ``fold_prefill`` has newcomers' prompt blocks ride in the decode step's forward, and ``join_early`` has
-newcomers pick their first token before the step and join it.
+newcomers pick their first token before the step and join it, and ``defer_wakes`` wakes the consumers an
+iteration finished when the next step is launched (their Python then runs while the GPU works), and
+``switch_ms`` is the interpreter's switch interval (``sys.setswitchinterval``; CPython's default is 5 ms).
 This loads the engine once and runs each setting at 32 and 64 concurrent, 256 requests a level, in
 interleaved repetitions (A B C A B C), and reports each setting's median tokens/s beside the engine's
 own concurrency-1 rate measured in the same process.
@@ -32,14 +34,16 @@ from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
 KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill",
-         "join_early")
+         "join_early", "defer_wakes", "switch_ms")
 SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps,
-    # newcomers' first tokens before the step (joining it)
-    (16, 8, 8, 8, True, False, False),  # the defaults of BENCHMARKS §23
-    (16, 8, 8, 8, True, True, False),
-    (16, 8, 16, 8, True, True, False),
-    (8, 4, 8, 4, True, True, False),
-    (16, 8, 8, 8, True, False, True),  # §27
+    # newcomers' first tokens before the step (joining it), wakes held to the next launch, switch interval
+    (16, 8, 8, 8, True, False, False, False, 5.0),  # the defaults of BENCHMARKS §23
+    (16, 8, 8, 8, True, True, False, False, 5.0),
+    (16, 8, 16, 8, True, True, False, False, 5.0),
+    (8, 4, 8, 4, True, True, False, False, 5.0),
+    (16, 8, 8, 8, True, False, True, False, 5.0),  # §27
+    (16, 8, 8, 8, True, False, True, True, 5.0),  # §29
+    (16, 8, 8, 8, True, False, True, True, 0.5),
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -86,6 +90,8 @@ def main() -> int:
             batcher.consecutive_blocks = knobs["consecutive_blocks"]
             batcher.fold_prefill = knobs["fold_prefill"]
             batcher.join_early = knobs["join_early"]
+            batcher.defer_wakes = knobs["defer_wakes"]
+            sys.setswitchinterval(knobs["switch_ms"] / 1000)
             batcher_module.WAKE_EVERY = knobs["wake_every"]
             batcher_module.CUDA_PREFILL_FACTOR = knobs["prefill_factor"]
             for c in LEVELS:

@@ -233,6 +233,9 @@ class BatchedCudaStep:
         # in its prefill forwards, BENCHMARKS §27): waiting for the staging buffer, filling it, replaying.
         self.prefill_host_s: dict[str, float] = dict.fromkeys(("wait", "stage", "replay", "outputs"), 0.0)
         self.prefill_forwards = 0
+        # Called once a decode step is running on the device, before the read-back waits for it: the
+        # batcher wakes its consumers there, so their Python runs while the GPU works (``defer_wakes``).
+        self.on_launch: Callable[[], None] | None = None
 
     def warm_up(self) -> None:
         """Capture every graph now (a generation's first step must not pay for it)."""
@@ -299,15 +302,21 @@ class BatchedCudaStep:
             staging = torch.zeros(3 * b + self._prefill_size(len(blocks)), dtype=torch.long)
             self._stage_rows(staging, b, len(blocks), tokens, offsets, slots, blocks)
             logits, picks, hidden = self._rows_body(staging.to(self.model.device), b, steps, len(blocks))()
+            self._launched()
         else:
             captured = self._decode_graph(bucket, steps, held)
             self._stage_rows(captured.free_staging(), bucket, held, tokens, offsets, slots, blocks)
             captured.replay()
+            self._launched()
             torch.cuda.current_stream().synchronize()  # the GIL released while it waits: consumers run
             logits, picks, hidden = captured.out
         picked: list[list[int]] = picks[:b].tolist()  # one read-back for every row and step
         prompts = [] if hidden is None else [hidden[i, :len(blk[1])].clone() for i, blk in enumerate(blocks)]
         return Decoded(None if logits is None else logits[:b], picked, prompts)
+
+    def _launched(self) -> None:
+        if self.on_launch is not None:
+            self.on_launch()
 
     def _stage_rows(self, staging: torch.Tensor, bucket: int, held: int, tokens: list[int],
                     offsets: list[int], slots: list[int], blocks: Sequence[PromptBlock]) -> None:

@@ -99,6 +99,8 @@ class BatchedCpuStep:
             # The pool's length names the graph: the pool's strides are compiled in as constants.
             self._step = PrecompiledFunction(batched_decode_forward, f"cpu-batched-step-{pool.max_len}",
                                              precompile)
+        # Called as a step's forward starts (the batcher's ``defer_wakes``; see ``BatchedCudaStep``).
+        self.on_launch: Callable[[], None] | None = None
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], offsets: list[int],
@@ -119,6 +121,8 @@ class BatchedCpuStep:
             for tensor, dims in ((ids, (0,)), (at, (0,)), (rows, (0,)), (k_pool, (0, 3)), (v_pool, (0, 3))):
                 for dim in dims:
                     torch._dynamo.mark_dynamic(tensor, dim)
+        if self.on_launch is not None:
+            self.on_launch()
         logits, greedy, keys, values = self._step(self.model, ids, at, rows, k_pool, v_pool)
         # pool[slot_b, :, 0, :, offset_b] for each row b: [B, layers, kv_heads, head_dim].
         pool.k[rows, :, 0, :, at] = keys[:, :, :, 0].transpose(0, 1)
