@@ -44,6 +44,8 @@ SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecu
     (16, 8, 8, 8, True, False, True, False, 5.0),  # §27
     (16, 8, 8, 8, True, False, True, True, 5.0),  # §29
     (16, 8, 8, 8, True, False, True, True, 0.5),
+    (16, 8, 8, 8, True, True, False, True, 5.0),  # blocks riding in the step again, now with wakes held
+    (32, 16, 8, 16, True, False, True, True, 5.0),  # longer chains
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
