@@ -27,6 +27,14 @@ if [ "$WHAT" = knobs ]; then  # the batched CUDA tests (TESTS=0 skips them), the
     "$P" "$OUT/serving_knobs.json"
   exit 0
 fi
+if [ "$WHAT" = sampled ]; then  # the invariant matmul's GPU test, then serving sampled rows (T = 0.7) at 1 and 32
+  run_logged pytest_gpu_invariant.log 120 python3 -P -m pytest -m gpu tests/test_invariant_kernels.py -ra \
+    -p no:cacheprovider -k on_gpu
+  run_logged serving_sampled.log "${SERVING_S:-200}" env ELESIUM_MAX_BATCH=64 python3 -P benchmarks/serving.py \
+    --device cuda --mode vanilla --concurrency 1,32 --requests-per-level 256 --max-tokens 128 \
+    --temperature 0.7 --prompts "$P" --out "$OUT/serving_cuda_sampled.json"
+  exit 0
+fi
 if [ "$WHAT" = wide ]; then  # taller matmul tiles and whole tile configs (benchmarks/gpu/wide_tiles.py): bits and times
   run_logged wide_tiles.log 200 python3 -P benchmarks/gpu/wide_tiles.py "$OUT/wide_tiles.json"
   run_logged wide_sweep.log 200 python3 -P benchmarks/gpu/wide_tiles.py --sweep "$OUT/wide_sweep.json"
