@@ -180,11 +180,6 @@ class Batcher:
         # H100, BENCHMARKS §28c). Woken at the launch, they run while the GPU computes. Only rows the loop
         # decodes ahead are held: nothing waits for their consumers (a tree step's consumer must ask first).
         self.defer_wakes = self._cuda
-        # Sampled rows draw their tokens on the device, all read back at once (CUDA; settable: tests run it
-        # on the CPU). Row by row on the host, each pick cost ~130 us and three read-backs: 3.9 s of a 6.0 s
-        # level of sampled requests at 32 concurrent on the H100 (BENCHMARKS §29d).
-        self.pick_on_device = self._cuda
-        self.device_picks = 0  # sampled rows' tokens drawn that way (metrics, tests)
         self._held_wakes: list[_Run] = []  # finished by the last iteration, to wake (``_flush_wakes``)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
@@ -762,38 +757,13 @@ class Batcher:
         taking = time.perf_counter()
         self.busy_s["batched_step"] += taking - start
         with torch.inference_mode():
-            drawn = self._draw_on_device(rows, decoders, logits) if self.pick_on_device else {}
             for b, run in enumerate(rows):
                 try:
-                    if b in drawn:
-                        drew = drawn[b]
-                        if drew is not None:  # None: its draw failed, its error is set
-                            run._take_picked(drew, start)
-                    else:
-                        run._take_row(logits[b], picks[b], start)
+                    run._take_row(logits[b], picks[b], start)
                 except BaseException as exc:
                     run._error = exc
         self.busy_s["take_rows"] += time.perf_counter() - taking
         return hidden
-
-    def _draw_on_device(self, rows: list[_Run], decoders: list[VanillaDecoder],
-                        logits: torch.Tensor) -> dict[int, int | None]:
-        """The sampled rows' tokens (``VanillaDecoder.device_pick``), by row, in one read-back; None for a row
-        whose draw failed (it gets the error)."""
-        drawn: dict[int, torch.Tensor] = {}
-        failed: dict[int, int | None] = {}
-        for b, (run, decoder) in enumerate(zip(rows, decoders, strict=True)):
-            if decoder.samples_freely:
-                try:
-                    drawn[b] = decoder.device_pick(logits[b])
-                except BaseException as exc:
-                    run._error = exc
-                    failed[b] = None
-        if not drawn:
-            return failed
-        tokens: list[int] = torch.stack(list(drawn.values())).tolist()
-        self.device_picks += len(tokens)
-        return {**failed, **dict(zip(drawn, tokens, strict=True))}
 
     def _count_batch(self, rows: int, steps: int) -> None:
         self.batched_steps += steps

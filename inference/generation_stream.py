@@ -208,15 +208,6 @@ class _Run:
         tokens, record = decoder.take(logits, greedy, start)
         self._produced.append((tokens, record, time.perf_counter()))
 
-    def _take_picked(self, token: int, start: float) -> None:
-        """Finish a step that ran as a row of the batcher's forward and whose token it drew on the device."""
-        decoder = self._decoder
-        if decoder is None:  # closed from another thread while its row was in the forward
-            return
-        assert isinstance(decoder, VanillaDecoder)
-        tokens, record = decoder.take_picked(token, start)
-        self._produced.append((tokens, record, time.perf_counter()))
-
     def _publish(self) -> None:
         """Apply what ``_work`` produced: stop conditions, chunks, ``on_step``, the result at the end."""
         while self._produced and self._finish is None:

@@ -626,47 +626,6 @@ def test_consumers_woken_at_the_next_steps_launch_keep_their_output(batched, mt_
     assert not batcher._held_wakes
 
 
-def test_sampled_rows_drawn_on_the_device_keep_their_solo_tokens(batched, mt_bench_prompts):
-    """With ``pick_on_device`` (CUDA's default, here on the CPU step) a sampled row's token is drawn by
-    ``sample_on_device`` and all rows are read back at once: seeded generations at T = 0.7 (one with top-k)
-    beside a greedy one still get their solo tokens, and the device draws were in fact taken."""
-    engine, batcher = batched, batched.batcher
-    prompts = mt_bench_prompts[56:60]
-    cases = [SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=21),
-             SamplingParams(max_tokens=16, temperature=0.0),
-             SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=22),
-             SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=23)]
-    engine.batcher = None
-    try:
-        solo = [engine.generate(p, q, mode="vanilla") for p, q in zip(prompts, cases, strict=True)]
-    finally:
-        engine.batcher = batcher
-    picks_before = batcher.device_picks
-    got: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def consume(i: int) -> None:
-        try:
-            got[i] = engine.generate(prompts[i], cases[i], mode="vanilla")
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    batcher.pick_on_device = True
-    try:
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-    finally:
-        batcher.pick_on_device = False
-    assert not errors, errors
-    assert len(got) == 4
-    for i in range(4):
-        assert got[i].token_ids == solo[i].token_ids, i  # type: ignore[attr-defined]
-    assert batcher.device_picks > picks_before, "no sampled row was drawn on the device"
-
-
 def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_prompts):
     """With chains on (CUDA's default ``CHAIN_STEPS``, here on the CPU step) the loop runs several greedy
     steps per batch, each step's picks fed back as the next step's input: every generation still gets its

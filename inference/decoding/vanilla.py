@@ -10,7 +10,7 @@ import torch
 
 from elesium.inference.records import StepRecord
 from elesium.inference.runtime.forward import ForwardRunner
-from elesium.inference.sampling import Sampler, SamplingParams, sample_on_device, target_probs
+from elesium.inference.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from elesium.inference.constraints import GrammarState
@@ -88,26 +88,6 @@ class VanillaDecoder:
         if logits is None:
             raise ValueError("a sampled or grammar-constrained step needs its logits")
         return self._advance(self._choose(logits), start)
-
-    @property
-    def samples_freely(self) -> bool:
-        """Whether each token is a draw from the target, with no grammar (so ``device_pick`` applies)."""
-        return not self.params.greedy and self.grammar is None
-
-    def device_pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """The token ``take`` would draw from ``logits``, left on their device as a 0-d tensor, so the batcher
-        can read every sampled row's token back at once instead of three read-backs a row.
-
-        Exact: it consumes this step's uniform as ``take`` would, builds the same target from the same
-        logits, and ``sample_on_device`` is bitwise ``sample_from`` (tests/test_sampling_device.py). The
-        uniform goes in as a fill value, not a copied tensor: a copy from pageable memory would wait for the
-        device. Finish the step with ``take_picked``."""
-        u = torch.full((1,), self.sampler.uniform(), dtype=torch.float64, device=logits.device)
-        return sample_on_device(target_probs(logits, self.params), u)
-
-    def take_picked(self, token: int, start: float) -> tuple[list[int], StepRecord]:
-        """Finish a step whose token ``device_pick`` drew."""
-        return self._advance(token, start)
 
     def _advance(self, token: int, start: float) -> tuple[list[int], StepRecord]:
         self.offset += 1
