@@ -62,7 +62,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -142,6 +142,16 @@ class _Job:
         self.error: BaseException | None = None
 
 
+class _InFlight(NamedTuple):
+    """A greedy chain one iteration launched and a later one reads back (``Batcher.overlap``)."""
+
+    rows: list[_Run]
+    decoders: list[VanillaDecoder]
+    steps: int
+    collect: Callable[[], list[list[int]]]
+    start: float
+
+
 class Batcher:
     """The step loop of one engine: admission to slots, one batched forward per step, solo work between."""
 
@@ -181,6 +191,16 @@ class Batcher:
         # decodes ahead are held: nothing waits for their consumers (a tree step's consumer must ask first).
         self.defer_wakes = self._cuda
         self._held_wakes: list[_Run] = []  # finished by the last iteration, to wake (``_flush_wakes``)
+        # A batch of greedy rows keeps a chain on the device while the host works (CUDA; settable: tests run
+        # it on the CPU step, whose chains run at their launch): once the loop has read a chain's tokens back
+        # it launches the batch's next chain at once, from those tokens, and only then hands them to their
+        # rows, finishes the iteration and starts the next one (admission, newcomers' prefill staging) while
+        # the GPU computes. Without it the GPU waited for all of that between two chains (handing 32 rows
+        # their tokens alone is ~1 ms a chain of ~9 ms, BENCHMARKS §29b). A row's tokens are the same: its
+        # next chain starts from its last token at its next position, as it would after the hand-out.
+        self.overlap = self._cuda
+        self._in_flight: _InFlight | None = None
+        self.overlapped_chains = 0  # chains launched before the last one's tokens were handed out (tests)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
         # each consumer and ``call`` on its own, so a finished step wakes only the threads whose
@@ -398,6 +418,7 @@ class Batcher:
                     job.error = job.error or exc
                 for run in work:
                     run._error = run._error or exc
+                self._drop_in_flight(exc)
             finally:
                 with self._lock:
                     self._flush_wakes()  # the last iteration's, if this one launched no step
@@ -413,7 +434,10 @@ class Batcher:
                         if run in self._wanted:  # else released meanwhile (a finaliser): nobody waits
                             del self._wanted[run]
                             self._done.add(run)
-                            if self.defer_wakes and self._ahead_capable(run):  # decoded ahead meanwhile
+                            # Held for the next launch unless a chain already runs (``overlap``): then
+                            # the GPU is busy now, and the consumer's Python is best run now.
+                            if (self.defer_wakes and self._ahead_capable(run)  # decoded ahead meanwhile
+                                    and self._in_flight is None):
                                 self._held_wakes.append(run)
                             else:
                                 self._wake_run(run)
@@ -427,7 +451,7 @@ class Batcher:
         """
         with self._cond:
             idle_since = time.monotonic()
-            while not self._wanted and not self._jobs and not self._any_ahead():
+            while not self._wanted and not self._jobs and not self._any_ahead() and self._in_flight is None:
                 left = IDLE_EXIT_S - (time.monotonic() - idle_since)
                 if left <= 0:
                     self._thread = None
@@ -620,6 +644,7 @@ class Batcher:
         fresh: set[_Run] = set()
         alone: set[_Run] = set()  # done before the batch's step
         stepped = False
+        flying = self._in_flight  # a chain the last iteration left running (``overlap``)
         if self._cuda and self._step is not None:
             # With ``fold_prefill`` the batch's step first, carrying the newcomers' first round of prompt
             # blocks (their first tokens, in the loop below, then wait for one forward, not for a prefill
@@ -648,6 +673,8 @@ class Batcher:
         batch = [] if stepped else self._held(rows)
         if batch:
             self._decode_batch(batch, [])
+        if flying is not None and self._in_flight is flying:  # no batch took its rows over: hand them out
+            self._land()
         return deferred
 
     def _work_alone(self, run: _Run, budget: int | None, fresh: set[_Run], deferred: set[_Run]) -> int | None:
@@ -656,6 +683,8 @@ class Batcher:
         outside the batch (a tree step). Returns the budget left."""
         engine, pool = self.engine, self.pool
         runner = engine.runner
+        if self._in_flight is not None and run in self._in_flight.rows:
+            self._land()  # its decoder must hold the tokens in flight before it works alone
         slot = self._work_slots[run]
         kind = "prefill" if run.state == "new" else "solo_step"
         offset = run._decoder.offset if run._decoder is not None else len(run.prompt_ids)
@@ -712,8 +741,20 @@ class Batcher:
     def _decode_batch(self, batch: list[tuple[_Run, VanillaDecoder]],
                       blocks: list[PromptBlock]) -> list[torch.Tensor]:
         """One batched step, or a chain of them (``_chain_length``), for ``batch``, with ``blocks`` (CUDA)
-        riding in its first forward; hand each row its tokens. Returns the blocks' hidden states."""
+        riding in its first forward; hand each row its tokens. Returns the blocks' hidden states.
+
+        With ``overlap`` a greedy batch's chain is left running (``_decode_overlapped``); anything else first
+        lands the chain in flight, so that every decoder holds its tokens."""
         assert self._step is not None
+        if self.overlap and not blocks and self._overlappable(batch):
+            self._decode_overlapped(batch)
+            return []
+        landed = self._land()
+        # Rows whose tokens were in flight are stepped again only if they still decode ahead (one may have
+        # reached its end of sequence or its max_tokens there).
+        batch = [(r, d) for r, d in batch if r not in landed or self._runs_ahead(r)]
+        if len(batch) < self._min_rows:
+            return cast("BatchedCudaStep", self._step).prefill(blocks) if blocks else []
         rows = [r for r, _ in batch]
         decoders = [d for _, d in batch]
         tokens, offsets = [d.pending for d in decoders], [d.offset for d in decoders]
@@ -730,20 +771,8 @@ class Batcher:
                 chains = self._step.decode_greedy(tokens, offsets, slots, steps)
             self._count_batch(len(rows), steps)
             self.chained_steps += steps
-            taking = time.perf_counter()
-            self.busy_s["batched_step"] += taking - start
-            for run, decoder, chain in zip(rows, decoders, chains, strict=True):
-                try:
-                    # Up to its max_tokens and its end of sequence: the rest were decoded past its end
-                    # (their keys lie past its output, in a slot it leaves when it finishes).
-                    eos = run.engine.tokenizer.eos_ids
-                    for token in chain[:max(1, run.params.max_tokens - 1 - decoder.steps)]:
-                        run._take_row(None, token, start)
-                        if token in eos:
-                            break
-                except BaseException as exc:
-                    run._error = exc
-            self.busy_s["take_rows"] += time.perf_counter() - taking
+            self.busy_s["batched_step"] += time.perf_counter() - start
+            self._take_chains(rows, decoders, chains, start)
             return hidden
         logits: torch.Tensor | None
         if blocks:
@@ -764,6 +793,109 @@ class Batcher:
                     run._error = exc
         self.busy_s["take_rows"] += time.perf_counter() - taking
         return hidden
+
+    def _take_chains(self, rows: list[_Run], decoders: list[VanillaDecoder], chains: list[list[int]],
+                     start: float) -> None:
+        """Hand each row its chain's tokens, up to its max_tokens and its end of sequence: the rest were
+        decoded past its end (their keys lie past its output, in a slot it leaves when it finishes)."""
+        taking = time.perf_counter()
+        for run, decoder, chain in zip(rows, decoders, chains, strict=True):
+            try:
+                eos = run.engine.tokenizer.eos_ids
+                for token in chain[:max(1, run.params.max_tokens - 1 - decoder.steps)]:
+                    run._take_row(None, token, start)
+                    if token in eos:
+                        break
+            except BaseException as exc:
+                run._error = exc
+        self.busy_s["take_rows"] += time.perf_counter() - taking
+
+    def _overlappable(self, batch: list[tuple[_Run, VanillaDecoder]]) -> bool:
+        """Whether ``batch`` may run as an overlapped chain: chains and decoding ahead on, every row greedy,
+        and every row whose tokens are not in flight has room for a chain (a row in flight is checked at its
+        position after them, in ``_decode_overlapped``, which leaves it out if it has no room)."""
+        if self.chain_steps <= 1 or not self.lookahead or not batch:
+            return False
+        flying = () if self._in_flight is None else self._in_flight.rows
+        return all(d.greedy and (r in flying or d.offset + self.chain_steps <= r.engine.context_length)
+                   for r, d in batch)
+
+    def _decode_overlapped(self, batch: list[tuple[_Run, VanillaDecoder]]) -> None:
+        """Read the chain in flight back, launch ``batch``'s next chain, then hand the read-back tokens out
+        while it runs; the new chain is read back by a later iteration (``overlap``).
+
+        A row whose tokens were in flight starts its next chain from its last token there, one position past
+        them, if those tokens leave it decoding ahead (``_continues``); a row that joined since starts from
+        its decoder's state. The tokens a row is handed are those of one chain after another, so they are the
+        ones it gets without the overlap."""
+        assert self._step is not None
+        prev, self._in_flight = self._in_flight, None
+        start = time.perf_counter()
+        landed = prev.collect() if prev is not None else []
+        after = {} if prev is None else dict(zip(prev.rows, landed, strict=True))
+        steps = self.chain_steps
+        rows: list[_Run] = []
+        decoders: list[VanillaDecoder] = []
+        tokens: list[int] = []
+        offsets: list[int] = []
+        for run, decoder in batch:
+            if run in after:
+                nxt = self._continues(run, decoder, after[run], prev.steps if prev is not None else steps)
+                if nxt is None or nxt[1] + steps > run.engine.context_length:
+                    continue
+                token, offset = nxt
+            else:
+                token, offset = decoder.pending, decoder.offset
+            rows.append(run)
+            decoders.append(decoder)
+            tokens.append(token)
+            offsets.append(offset)
+        if len(rows) >= self._min_rows:
+            slots = [self._work_slots[r] for r in rows]
+            collect = self._step.launch_greedy(tokens, offsets, slots, steps)
+            self._in_flight = _InFlight(rows, decoders, steps, collect, start)
+            self._count_batch(len(rows), steps)
+            self.chained_steps += steps
+            self.overlapped_chains += prev is not None
+        self.busy_s["batched_step"] += time.perf_counter() - start
+        if prev is not None:
+            self._take_chains(prev.rows, prev.decoders, landed, prev.start)
+
+    def _continues(self, run: _Run, decoder: VanillaDecoder, chain: list[int],
+                   steps: int) -> tuple[int, int] | None:
+        """The next input token and position of ``run`` once it takes ``chain`` (not taken yet), if it still
+        decodes ahead then (``_runs_ahead``, as it will read after the hand-out), else None."""
+        eos = run.engine.tokenizer.eos_ids
+        taken = chain[:max(1, run.params.max_tokens - 1 - decoder.steps)]
+        if (len(taken) < steps or any(t in eos for t in taken)
+                or 1 + decoder.steps + steps >= run.params.max_tokens or not self._ahead_capable(run)
+                or run._finish is not None or len(run._produced) >= self.lookahead):
+            return None
+        return taken[-1], decoder.offset + steps
+
+    def _land(self) -> set[_Run]:
+        """Read the chain in flight back and hand its rows their tokens; return those rows."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is None:
+            return set()
+        started = time.perf_counter()
+        chains = prev.collect()
+        self.busy_s["batched_step"] += time.perf_counter() - started
+        self._take_chains(prev.rows, prev.decoders, chains, prev.start)
+        return set(prev.rows)
+
+    def _drop_in_flight(self, error: BaseException) -> None:
+        """A failed iteration: the chain in flight is read back (so that the step may launch again) and its
+        rows fail with the iteration's error."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is None:
+            return
+        for run in prev.rows:
+            run._error = run._error or error
+        try:
+            prev.collect()
+        except BaseException:  # the device failed: the rows already carry the error
+            log.exception("reading back the chain in flight failed")
 
     def _count_batch(self, rows: int, steps: int) -> None:
         self.batched_steps += steps

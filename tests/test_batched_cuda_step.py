@@ -289,6 +289,13 @@ def test_greedy_chain_is_its_steps_one_after_another() -> None:
     assert torch.equal(pool.k[slots], stepped_k[slots]) and torch.equal(pool.v[slots], stepped_v[slots])
     two = step.decode_greedy(first[:2], lengths[:2], slots[:2], 5)  # within a bucket: the same body
     assert two == picks[:2]
+    pool.k.copy_(before_k)
+    pool.v.copy_(before_v)
+    collect = step.launch_greedy(first, lengths, slots, 5)  # the batcher's overlapped chains
+    with pytest.raises(RuntimeError, match="not read back"):  # its outputs would be overwritten
+        step.decode_greedy(first, lengths, slots, 5)
+    assert collect() == picks
+    assert torch.equal(pool.k[slots], stepped_k[slots]) and torch.equal(pool.v[slots], stepped_v[slots])
     with pytest.raises(ValueError, match="past the slot"):
         step.decode_greedy([1], [92], [1], 5)
     with pytest.raises(ValueError, match="1 or more steps"):

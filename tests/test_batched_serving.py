@@ -626,12 +626,17 @@ def test_consumers_woken_at_the_next_steps_launch_keep_their_output(batched, mt_
     assert not batcher._held_wakes
 
 
-def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_prompts):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_prompts, overlap):
     """With chains on (CUDA's default ``CHAIN_STEPS``, here on the CPU step) the loop runs several greedy
     steps per batch, each step's picks fed back as the next step's input: every generation still gets its
     solo tokens and step records, one whose ``max_tokens`` is not a multiple of the chain keeps exactly that
     many, a stop string ends the output where it ends alone, and a sampled generation in the batch (its
-    tokens need the host's draw) makes the batch take single steps until it leaves."""
+    tokens need the host's draw) makes the batch take single steps until it leaves.
+
+    With ``overlap`` (CUDA's default) each chain is launched from the last one's tokens before they are
+    handed out, and read back by a later iteration; the sampled row lands the chain in flight, and slow
+    consumers leave rows out of an iteration's work while their tokens are in flight."""
     engine, batcher = batched, batched.batcher
     prompts = mt_bench_prompts[44:49]
     greedy = SamplingParams(max_tokens=22, temperature=0.0)
@@ -645,8 +650,8 @@ def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_promp
     finally:
         engine.batcher = batcher
     assert solo[2].finish_reason == "stop" and len(solo[1].token_ids) == 7
-    chained_before = batcher.chained_steps
-    batcher.lookahead, batcher.chain_steps = 8, 4
+    chained_before, overlapped_before = batcher.chained_steps, batcher.overlapped_chains
+    batcher.lookahead, batcher.chain_steps, batcher.overlap = 8, 4, overlap
     got: dict[int, object] = {}
     errors: list[BaseException] = []
 
@@ -666,18 +671,20 @@ def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_promp
         for t in threads:
             t.join(180)
     finally:
-        batcher.lookahead, batcher.chain_steps = 0, 1
+        batcher.lookahead, batcher.chain_steps, batcher.overlap = 0, 1, False
     assert not errors, errors
     assert batcher.chained_steps > chained_before, "no batch ran as a chain"
+    assert (batcher.overlapped_chains > overlapped_before) == overlap
     for i, alone in enumerate(solo):
         result = got[i]
         assert result.token_ids == alone.token_ids, i  # type: ignore[attr-defined]
         assert result.text == alone.text and result.finish_reason == alone.finish_reason, i  # type: ignore[attr-defined]
         assert [s.tokens for s in result.steps] == [s.tokens for s in alone.steps], i  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
-    while batcher.running and time.monotonic() < deadline:
+    while (batcher.running or batcher._in_flight is not None) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert batcher.running == 0 and batcher.waiting == 0
+    assert batcher._in_flight is None, "a chain was left in flight"
 
 def test_greedy_speculative_generations_sharing_the_batch_decode_plainly(batched, mt_bench_prompts):
     """A greedy speculative generation admitted while another holds a slot decodes as a row of the shared

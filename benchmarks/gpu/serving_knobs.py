@@ -8,7 +8,8 @@ decoded before a consumer asks), ``WAKE_EVERY`` (tokens that wake a waiting cons
 ``fold_prefill`` has newcomers' prompt blocks ride in the decode step's forward, and ``join_early`` has
 newcomers pick their first token before the step and join it, and ``defer_wakes`` wakes the consumers an
 iteration finished when the next step is launched (their Python then runs while the GPU works), and
-``switch_ms`` is the interpreter's switch interval (``sys.setswitchinterval``; CPython's default is 5 ms).
+``switch_ms`` is the interpreter's switch interval (``sys.setswitchinterval``; CPython's default is 5 ms), and
+``overlap`` launches a greedy batch's next chain before the last one's tokens are handed out.
 This loads the engine once and runs each setting at 32 and 64 concurrent, 256 requests a level, in
 interleaved repetitions (A B C A B C), and reports each setting's median tokens/s beside the engine's
 own concurrency-1 rate measured in the same process.
@@ -34,18 +35,22 @@ from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
 KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill",
-         "join_early", "defer_wakes", "switch_ms")
+         "join_early", "defer_wakes", "switch_ms", "overlap")
 SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps,
-    # newcomers' first tokens before the step (joining it), wakes held to the next launch, switch interval
-    (16, 8, 8, 8, True, False, False, False, 5.0),  # the defaults of BENCHMARKS §23
-    (16, 8, 8, 8, True, True, False, False, 5.0),
-    (16, 8, 16, 8, True, True, False, False, 5.0),
-    (8, 4, 8, 4, True, True, False, False, 5.0),
-    (16, 8, 8, 8, True, False, True, False, 5.0),  # §27
-    (16, 8, 8, 8, True, False, True, True, 5.0),  # §29
-    (16, 8, 8, 8, True, False, True, True, 0.5),
-    (16, 8, 8, 8, True, True, False, True, 5.0),  # blocks riding in the step again, now with wakes held
-    (32, 16, 8, 16, True, False, True, True, 5.0),  # longer chains
+    # newcomers' first tokens before the step (joining it), wakes held to the next launch, switch interval,
+    # the next chain launched before the last one's tokens are handed out
+    (16, 8, 8, 8, True, False, False, False, 5.0, False),  # the defaults of BENCHMARKS §23
+    (16, 8, 8, 8, True, True, False, False, 5.0, False),
+    (16, 8, 16, 8, True, True, False, False, 5.0, False),
+    (8, 4, 8, 4, True, True, False, False, 5.0, False),
+    (16, 8, 8, 8, True, False, True, False, 5.0, False),  # §27
+    (16, 8, 8, 8, True, False, True, True, 5.0, False),  # §29
+    (16, 8, 8, 8, True, False, True, True, 0.5, False),
+    (16, 8, 8, 8, True, True, False, True, 5.0, False),  # blocks riding in the step, with wakes held
+    (32, 16, 8, 16, True, False, True, True, 5.0, False),  # longer chains
+    (16, 8, 8, 8, True, False, True, True, 5.0, True),  # §30: chains overlapped with the host's work
+    (8, 4, 8, 4, True, False, True, True, 5.0, True),  # the same with chains of 4
+    (8, 4, 8, 4, True, False, True, True, 5.0, False),  # chains of 4, not overlapped
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -93,6 +98,7 @@ def main() -> int:
             batcher.fold_prefill = knobs["fold_prefill"]
             batcher.join_early = knobs["join_early"]
             batcher.defer_wakes = knobs["defer_wakes"]
+            batcher.overlap = knobs["overlap"]
             sys.setswitchinterval(knobs["switch_ms"] / 1000)
             batcher_module.WAKE_EVERY = knobs["wake_every"]
             batcher_module.CUDA_PREFILL_FACTOR = knobs["prefill_factor"]

@@ -158,6 +158,11 @@ class Decoded(NamedTuple):
     """Each prompt block's hidden states ``[n, hidden]``, in the order given."""
 
 
+_Outputs = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+"""A decode forward's float32 logits (one step; None for a chain), greedy tokens, and prompt blocks' hidden
+states (None without blocks)."""
+
+
 class _Captured:
     """One graph and the static tensors it reads (``inputs``, filled from ``staging`` before each replay)
     and writes (``out``)."""
@@ -236,6 +241,7 @@ class BatchedCudaStep:
         # Called once a decode step is running on the device, before the read-back waits for it: the
         # batcher wakes its consumers there, so their Python runs while the GPU works (``defer_wakes``).
         self.on_launch: Callable[[], None] | None = None
+        self._unread = False  # a chain launched by ``launch_greedy`` whose tokens were not read back yet
 
     def warm_up(self) -> None:
         """Capture every graph now (a generation's first step must not pay for it)."""
@@ -284,9 +290,45 @@ class BatchedCudaStep:
         of ``prefill``. Every row needs room for ``steps`` positions.
         """
         b = len(tokens)
+        logits, picks, hidden = self._launch(tokens, offsets, slots, steps, blocks)
+        self._wait()  # the GIL released while it waits: consumers run
+        picked: list[list[int]] = picks[:b].tolist()  # one read-back for every row and step
+        prompts = [] if hidden is None else [hidden[i, :len(blk[1])].clone() for i, blk in enumerate(blocks)]
+        return Decoded(None if logits is None else logits[:b], picked, prompts)
+
+    @torch.inference_mode()
+    def launch_greedy(self, tokens: list[int], offsets: list[int], slots: list[int],
+                      steps: int) -> Callable[[], list[list[int]]]:
+        """``decode_greedy`` without waiting for it: the chain is launched, and the returned function waits
+        for it and reads its tokens back (call it once, before this step launches anything else).
+
+        Why: the loop hands the last chain's tokens to their rows (~1 ms of host work at 32 rows) while
+        this one runs on the GPU, instead of with the GPU idle between two chains (``Batcher.overlap``)."""
+        b = len(tokens)
+        _, picks, _ = self._launch(tokens, offsets, slots, steps, ())
+        self._unread = True
+
+        def collect() -> list[list[int]]:
+            self._wait()  # the GIL released while it waits
+            self._unread = False
+            return cast("list[list[int]]", picks[:b].tolist())
+
+        return collect
+
+    def _wait(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def _launch(self, tokens: list[int], offsets: list[int], slots: list[int], steps: int,
+                blocks: Sequence[PromptBlock]) -> _Outputs:
+        """Stage and launch ``decode_rows``' forwards; return their outputs, not yet computed (a graph's are
+        its static tensors, valid until its next replay)."""
+        b = len(tokens)
         if not b == len(offsets) == len(slots) or b < 1 or steps < 1:
             raise ValueError(f"a batched step takes 1 or more rows of equal length and 1 or more steps, got "
                              f"{b} rows and {steps} steps")
+        if self._unread:
+            raise RuntimeError("a chain launched by launch_greedy was not read back before the next launch")
         pool = self.pool
         if max(offsets) + steps > pool.max_len:
             raise ValueError(f"a chain of {steps} steps from position {max(offsets)} ends past the slot's "
@@ -301,18 +343,14 @@ class BatchedCudaStep:
         if bucket is None or not self.graphs:
             staging = torch.zeros(3 * b + self._prefill_size(len(blocks)), dtype=torch.long)
             self._stage_rows(staging, b, len(blocks), tokens, offsets, slots, blocks)
-            logits, picks, hidden = self._rows_body(staging.to(self.model.device), b, steps, len(blocks))()
+            outputs = self._rows_body(staging.to(self.model.device), b, steps, len(blocks))()
             self._launched()
-        else:
-            captured = self._decode_graph(bucket, steps, held)
-            self._stage_rows(captured.free_staging(), bucket, held, tokens, offsets, slots, blocks)
-            captured.replay()
-            self._launched()
-            torch.cuda.current_stream().synchronize()  # the GIL released while it waits: consumers run
-            logits, picks, hidden = captured.out
-        picked: list[list[int]] = picks[:b].tolist()  # one read-back for every row and step
-        prompts = [] if hidden is None else [hidden[i, :len(blk[1])].clone() for i, blk in enumerate(blocks)]
-        return Decoded(None if logits is None else logits[:b], picked, prompts)
+            return outputs
+        captured = self._decode_graph(bucket, steps, held)
+        self._stage_rows(captured.free_staging(), bucket, held, tokens, offsets, slots, blocks)
+        captured.replay()
+        self._launched()
+        return cast("_Outputs", captured.out)
 
     def _launched(self) -> None:
         if self.on_launch is not None:

@@ -144,3 +144,11 @@ class BatchedCpuStep:
             for row, token in zip(picks, tokens, strict=True):
                 row.append(token)
         return picks
+
+    def launch_greedy(self, tokens: list[int], offsets: list[int], slots: list[int],
+                      steps: int) -> Callable[[], list[list[int]]]:
+        """``decode_greedy`` behind the CUDA step's launch-then-read interface
+        (``BatchedCudaStep.launch_greedy``): here the chain runs now and the function returns its tokens, so
+        the loop's overlapped path (and its tests) run on the CPU the same way."""
+        picks = self.decode_greedy(tokens, offsets, slots, steps)
+        return lambda: picks
