@@ -36,7 +36,9 @@ whose threads would otherwise set its pace, runs a batch whose rows all decode g
 ``CHAIN_STEPS`` steps in one graph replay (the picks fed back on the device), prefills a newcomer's
 consecutive prompt blocks as rows of one forward, has newcomers pick their first token before the batch's
 step so that they join it at once (``join_early``), wakes the consumers of rows it decoded ahead only once the
-next step is running on the device (``defer_wakes``: their Python then overlaps the GPU's work), and can run
+next step is running on the device (``defer_wakes``: their Python then overlaps the GPU's work), launches a
+greedy batch's next chain before handing the last one's tokens out (``overlap``: the GPU computes while the
+host hands tokens out and starts the next iteration), and can run
 the newcomers' first round of blocks inside the batch's decode step (``fold_prefill``, off: on the H100 a
 block cost as much riding on a step as in a forward of its own, BENCHMARKS §25, and its graphs lengthen
 warm-up).

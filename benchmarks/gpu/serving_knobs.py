@@ -51,6 +51,7 @@ SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecu
     (16, 8, 8, 8, True, False, True, True, 5.0, True),  # §30: chains overlapped with the host's work
     (8, 4, 8, 4, True, False, True, True, 5.0, True),  # the same with chains of 4
     (8, 4, 8, 4, True, False, True, True, 5.0, False),  # chains of 4, not overlapped
+    (24, 8, 8, 8, True, False, True, True, 5.0, True),  # overlapped, a chain more of lookahead
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
