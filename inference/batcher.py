@@ -36,9 +36,9 @@ whose threads would otherwise set its pace, runs a batch whose rows all decode g
 ``CHAIN_STEPS`` steps in one graph replay (the picks fed back on the device), prefills a newcomer's
 consecutive prompt blocks as rows of one forward, has newcomers pick their first token before the batch's
 step so that they join it at once (``join_early``), wakes the consumers of rows it decoded ahead only once the
-next step is running on the device (``defer_wakes``: their Python then overlaps the GPU's work), launches a
-greedy batch's next chain before handing the last one's tokens out (``overlap``: the GPU computes while the
-host hands tokens out and starts the next iteration), and can run
+next step is running on the device (``defer_wakes``: their Python then overlaps the GPU's work), can launch a
+greedy batch's next chain before handing the last one's tokens out (``overlap``, off until measured on a GPU:
+the GPU would compute while the host hands tokens out and starts the next iteration), and can run
 the newcomers' first round of blocks inside the batch's decode step (``fold_prefill``, off: on the H100 a
 block cost as much riding on a step as in a forward of its own, BENCHMARKS §25, and its graphs lengthen
 warm-up).
@@ -193,14 +193,15 @@ class Batcher:
         # decodes ahead are held: nothing waits for their consumers (a tree step's consumer must ask first).
         self.defer_wakes = self._cuda
         self._held_wakes: list[_Run] = []  # finished by the last iteration, to wake (``_flush_wakes``)
-        # A batch of greedy rows keeps a chain on the device while the host works (CUDA; settable: tests run
+        # A batch of greedy rows keeps a chain on the device while the host works (for CUDA; tests run
         # it on the CPU step, whose chains run at their launch): once the loop has read a chain's tokens back
         # it launches the batch's next chain at once, from those tokens, and only then hands them to their
         # rows, finishes the iteration and starts the next one (admission, newcomers' prefill staging) while
         # the GPU computes. Without it the GPU waited for all of that between two chains (handing 32 rows
         # their tokens alone is ~1 ms a chain of ~9 ms, BENCHMARKS §29b). A row's tokens are the same: its
         # next chain starts from its last token at its next position, as it would after the hand-out.
-        self.overlap = self._cuda
+        # Off until measured on a GPU (BENCHMARKS §30: no device was lent when it was written).
+        self.overlap = False
         self._in_flight: _InFlight | None = None
         self.overlapped_chains = 0  # chains launched before the last one's tokens were handed out (tests)
         self._warm_lock = threading.Lock()

@@ -713,6 +713,53 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
 
 
 
+def test_batched_cuda_overlapped_chains_give_solo_tokens(mt_bench_prompts) -> None:
+    """``Batcher.overlap`` on CUDA: each greedy chain launched from the last one's tokens before they are
+    handed out (``BatchedCudaStep.launch_greedy``), read back by a later iteration. Ten greedy prompts of
+    mixed lengths and ``max_tokens`` (some not a multiple of the chain), joining a few steps apart, get
+    exactly their solo tokens, chains did overlap, and none is left in flight."""
+    import time
+
+    from elesium.config import Settings
+    from elesium.inference.engine import Engine
+
+    settings = Settings.from_env().with_overrides(invariant_numerics="on", max_batch="16")
+    engine = Engine.load(device="cuda", dtype="bfloat16", settings=settings)
+    batcher = engine.batcher
+    assert batcher is not None
+    prompts = [p[: 40 + 61 * (i % 7)] for i, p in enumerate(mt_bench_prompts[20:30])]
+    params = [SamplingParams(max_tokens=64 - 5 * (i % 3)) for i in range(len(prompts))]
+    engine.batcher = None
+    try:
+        solo = [engine.generate(p, q, mode="vanilla").token_ids for p, q in zip(prompts, params, strict=True)]
+    finally:
+        engine.batcher = batcher
+    batcher.warm_up()
+    batcher.overlap = True
+    got: dict[int, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+    base = batcher.batched_steps
+
+    def run(i: int) -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while batcher.batched_steps < base + 8 * i and time.monotonic() < deadline:
+                time.sleep(0.001)
+            got[i] = engine.generate(prompts[i], params[i], mode="vanilla").token_ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    _in_threads(run, len(prompts), 300)
+    assert not errors, errors
+    assert batcher.overlapped_chains > 0, "no chain was launched before the last one was handed out"
+    for i in range(len(prompts)):
+        assert got[i] == solo[i], (i, _diverge(got[i], solo[i]))
+    deadline = time.monotonic() + 10
+    while batcher._in_flight is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher._in_flight is None, "a chain was left in flight"
+
+
 def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None:
     """``BatchedCudaStep.decode_greedy`` (``CHAIN_STEPS`` greedy steps in one graph replay, each step's picks
     fed back on the device) gives three sequences the tokens and the keys and values of four single-step
