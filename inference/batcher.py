@@ -836,6 +836,7 @@ class Batcher:
         start = time.perf_counter()
         landed = prev.collect() if prev is not None else []
         after = {} if prev is None else dict(zip(prev.rows, landed, strict=True))
+        prev_steps = 0 if prev is None else prev.steps
         steps = self.chain_steps
         rows: list[_Run] = []
         decoders: list[VanillaDecoder] = []
@@ -843,7 +844,7 @@ class Batcher:
         offsets: list[int] = []
         for run, decoder in batch:
             if run in after:
-                nxt = self._continues(run, decoder, after[run], prev.steps if prev is not None else steps)
+                nxt = self._continues(run, decoder, after[run], prev_steps)
                 if nxt is None or nxt[1] + steps > run.engine.context_length:
                     continue
                 token, offset = nxt

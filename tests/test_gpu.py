@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -624,6 +625,15 @@ def _in_threads(fn: Callable[[int], None], n: int, timeout: float) -> None:
     for t in threads:
         t.join(timeout)
 
+def _solo_vanilla(engine: Any, prompts: list[str], params: list[SamplingParams]) -> list[tuple[int, ...]]:
+    """Each prompt's vanilla tokens alone, on the one-sequence graphs (the batcher set aside)."""
+    batcher, engine.batcher = engine.batcher, None
+    try:
+        return [engine.generate(p, q, mode="vanilla").token_ids for p, q in zip(prompts, params, strict=True)]
+    finally:
+        engine.batcher = batcher
+
+
 def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
     """Batched serving on CUDA (``runtime/batched_cuda_step.py``, ``max_batch`` 16): 12 prompts of mixed
     lengths, vanilla greedy, vanilla seeded T = 0.7 and speculative greedy, each joining a few steps
@@ -729,11 +739,7 @@ def test_batched_cuda_overlapped_chains_give_solo_tokens(mt_bench_prompts) -> No
     assert batcher is not None
     prompts = [p[: 40 + 61 * (i % 7)] for i, p in enumerate(mt_bench_prompts[20:30])]
     params = [SamplingParams(max_tokens=64 - 5 * (i % 3)) for i in range(len(prompts))]
-    engine.batcher = None
-    try:
-        solo = [engine.generate(p, q, mode="vanilla").token_ids for p, q in zip(prompts, params, strict=True)]
-    finally:
-        engine.batcher = batcher
+    solo = _solo_vanilla(engine, prompts, params)
     batcher.warm_up()
     batcher.overlap = True
     got: dict[int, tuple[int, ...]] = {}
@@ -780,11 +786,7 @@ def test_batched_cuda_greedy_chains_equal_single_steps(mt_bench_prompts) -> None
     batcher.fold_prefill = True  # and the block-carrying ones
     prompts = [p[:60 + 70 * i] for i, p in enumerate(mt_bench_prompts[50:56])]
     params = [SamplingParams(max_tokens=64 - 3 * i) for i in range(len(prompts))]
-    engine.batcher = None
-    try:
-        solo = [engine.generate(p, q, mode="vanilla").token_ids for p, q in zip(prompts, params, strict=True)]
-    finally:
-        engine.batcher = batcher
+    solo = _solo_vanilla(engine, prompts, params)
     engine.warm_up()
     step, pool, runner = batcher._step, batcher.pool, engine.runner
     assert step is not None
