@@ -437,7 +437,10 @@ class Batcher:
                         if run in self._wanted:  # else released meanwhile (a finaliser): nobody waits
                             del self._wanted[run]
                             self._done.add(run)
-                            if self.defer_wakes and self._ahead_capable(run):  # decoded ahead meanwhile
+                            # Held for the next launch unless a chain already runs (``overlap``): then
+                            # the GPU is busy now, and the consumer's Python is best run now.
+                            if (self.defer_wakes and self._ahead_capable(run)  # decoded ahead meanwhile
+                                    and self._in_flight is None):
                                 self._held_wakes.append(run)
                             else:
                                 self._wake_run(run)
@@ -831,10 +834,6 @@ class Batcher:
         assert self._step is not None
         prev, self._in_flight = self._in_flight, None
         start = time.perf_counter()
-        # The consumers the last iteration finished run now, while the loop waits for the chain (the GIL is
-        # released there), not while it staged the newcomers' prefill (BENCHMARKS §30b: woken at once, their
-        # Python cost the prefill forwards 0.8 s a level at 32 concurrent).
-        self._flush_wakes()
         landed = prev.collect() if prev is not None else []
         after = {} if prev is None else dict(zip(prev.rows, landed, strict=True))
         prev_steps = 0 if prev is None else prev.steps
@@ -884,7 +883,6 @@ class Batcher:
         if prev is None:
             return set()
         started = time.perf_counter()
-        self._flush_wakes()  # as in ``_decode_overlapped``
         chains = prev.collect()
         self.busy_s["batched_step"] += time.perf_counter() - started
         self._take_chains(prev.rows, prev.decoders, chains, prev.start)

@@ -634,10 +634,9 @@ def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_promp
     many, a stop string ends the output where it ends alone, and a sampled generation in the batch (its
     tokens need the host's draw) makes the batch take single steps until it leaves.
 
-    With ``overlap`` each chain is launched from the last one's tokens before they are handed out, and read
-    back by a later iteration; the sampled row lands the chain in flight, and slow consumers leave rows out of
-    an iteration's work while their tokens are in flight. Wakes are held (``defer_wakes``, as on CUDA) until
-    the loop waits for the chain: every consumer still finishes."""
+    With ``overlap`` (CUDA's default) each chain is launched from the last one's tokens before they are
+    handed out, and read back by a later iteration; the sampled row lands the chain in flight, and slow
+    consumers leave rows out of an iteration's work while their tokens are in flight."""
     engine, batcher = batched, batched.batcher
     prompts = mt_bench_prompts[44:49]
     greedy = SamplingParams(max_tokens=22, temperature=0.0)
@@ -652,7 +651,7 @@ def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_promp
         engine.batcher = batcher
     assert solo[2].finish_reason == "stop" and len(solo[1].token_ids) == 7
     chained_before, overlapped_before = batcher.chained_steps, batcher.overlapped_chains
-    batcher.lookahead, batcher.chain_steps, batcher.overlap, batcher.defer_wakes = 8, 4, overlap, overlap
+    batcher.lookahead, batcher.chain_steps, batcher.overlap = 8, 4, overlap
     got: dict[int, object] = {}
     errors: list[BaseException] = []
 
@@ -672,7 +671,7 @@ def test_greedy_chains_keep_each_generations_solo_tokens(batched, mt_bench_promp
         for t in threads:
             t.join(180)
     finally:
-        batcher.lookahead, batcher.chain_steps, batcher.overlap, batcher.defer_wakes = 0, 1, False, False
+        batcher.lookahead, batcher.chain_steps, batcher.overlap = 0, 1, False
     assert not errors, errors
     assert batcher.chained_steps > chained_before, "no batch ran as a chain"
     assert (batcher.overlapped_chains > overlapped_before) == overlap
