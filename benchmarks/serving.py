@@ -177,6 +177,7 @@ def loop_counters(engine: Engine) -> dict[str, float]:
     return {"batched_steps": batcher.batched_steps, "batched_rows": batcher.batched_rows,
             "solo_steps": batcher.solo_steps, "ahead_rows": batcher.ahead_rows,
             "folded_blocks": batcher.folded_blocks, "prefill_rows": batcher.prefill_rows,
+            "early_prefills": batcher.early_prefills,
             **{f"busy_{k}_s": v for k, v in batcher.busy_s.items()},
             # CUDA: the prefill forwards and the host seconds inside them (BatchedCudaStep.prefill_host_s)
             "prefill_forwards": getattr(batcher._step, "prefill_forwards", 0),

@@ -203,6 +203,14 @@ class Batcher:
         # Off until measured on a GPU (BENCHMARKS §30: no device was lent when it was written).
         self.overlap = False
         self._in_flight: _InFlight | None = None
+        # The prompts that arrived while a greedy chain ran are admitted once its tokens are read back, and
+        # their first blocks launched before those tokens are handed out (CUDA): the GPU computes them while
+        # the host hands out, instead of while the next iteration waits on their first tokens (0.30 s a level
+        # at 32 concurrent on the H100, mostly the prefill's GPU time, BENCHMARKS §29c). Off until measured.
+        self.prefill_early = False
+        self.early_prefills = 0  # newcomers whose first blocks were launched that way (metrics, tests)
+        self._early: set[_Run] = set()  # prefilled early, not yet seen by ``_prefill_together``
+        self._settled_free: set[int] = set()  # the free slots when this iteration's work was taken
         self.overlapped_chains = 0  # chains launched before the last one's tokens were handed out (tests)
         self._warm_lock = threading.Lock()
         # One lock, one condition per waiter: the loop waits on ``_cond`` (asks, jobs, releases), and
@@ -343,6 +351,7 @@ class Batcher:
             self._wanted.pop(run, None)
             self._done.discard(run)
             self._partial.pop(run, None)
+            self._early.discard(run)
             self._drafter_saved.pop(run, None)
             if self._drafter_owner is run:
                 self._drafter_owner = None
@@ -474,6 +483,7 @@ class Batcher:
             jobs.extend(self._jobs)
             self._jobs.clear()
             self._admit()
+            self._settled_free = set(self._free)
             work.extend(r for r in list(self._wanted) if r in self._slot)
             ahead = [r for r in list(self._slot) if r not in self._wanted and self._runs_ahead(r)]
             self.ahead_rows += len(ahead)
@@ -503,7 +513,8 @@ class Batcher:
         concurrent, BENCHMARKS §21c)."""
         step = cast("BatchedCudaStep", self._step)
         started = time.perf_counter()
-        fresh = {r for r in new if r not in self._partial}
+        fresh = {r for r in new if r not in self._partial or r in self._early}
+        self._early.difference_update(new)
         partials = [(r, self._partial.setdefault(r, PartialPrefill(list(r.prompt_ids)))) for r in new]
         for run, _ in partials:
             if run.timing.gate_at is None:
@@ -775,6 +786,8 @@ class Batcher:
             self._count_batch(len(rows), steps)
             self.chained_steps += steps
             self.busy_s["batched_step"] += time.perf_counter() - start
+            if self.prefill_early and self._cuda and not blocks:
+                self._prefill_arrivals()
             self._take_chains(rows, decoders, chains, start)
             return hidden
         logits: torch.Tensor | None
@@ -796,6 +809,39 @@ class Batcher:
                     run._error = exc
         self.busy_s["take_rows"] += time.perf_counter() - taking
         return hidden
+
+    def _prefill_arrivals(self) -> None:
+        """``prefill_early``: admit the generations that arrived while the chain ran and launch their first
+        prompt blocks (the iteration's prefill budget), without waiting for them.
+
+        The next iteration's ``_prefill_together`` finds those blocks done (the same forward, so the same
+        bits) and its first tokens wait only for what is left. Only slots that were free when this
+        iteration took its work are handed out: one freed since (its consumer closed it) may still be used
+        by this iteration's later work. A failed launch forgets the newcomers' blocks; they start again
+        in the next iteration."""
+        with self._lock:
+            later = [s for s in self._free if s not in self._settled_free]
+            self._free = [s for s in self._free if s in self._settled_free]
+            try:
+                self._admit()
+            finally:
+                self._free.extend(later)
+            self._settled_free.intersection_update(self._free)
+            new = [r for r in list(self._wanted) if r in self._slot and r.state == "new"
+                   and r not in self._taken and r not in self._partial and not r._cancel]
+            for run in new:
+                self._work_slots[run] = self._slot[run]
+        if not new:
+            return
+        try:
+            self._prefill_together(new, PREFILL_BLOCKS * CUDA_PREFILL_FACTOR)
+        except Exception:
+            log.exception("prefilling %d arrivals early failed; they start again next iteration", len(new))
+            for run in new:
+                self._partial.pop(run, None)
+            return
+        self._early.update(r for r in new if r in self._partial)
+        self.early_prefills += len(new)
 
     def _take_chains(self, rows: list[_Run], decoders: list[VanillaDecoder], chains: list[list[int]],
                      start: float) -> None:

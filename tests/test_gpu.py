@@ -723,11 +723,13 @@ def test_batched_cuda_serving_gives_solo_tokens(mt_bench_prompts) -> None:
 
 
 
-def test_batched_cuda_overlapped_chains_give_solo_tokens(mt_bench_prompts) -> None:
-    """``Batcher.overlap`` on CUDA: each greedy chain launched from the last one's tokens before they are
-    handed out (``BatchedCudaStep.launch_greedy``), read back by a later iteration. Ten greedy prompts of
-    mixed lengths and ``max_tokens`` (some not a multiple of the chain), joining a few steps apart, get
-    exactly their solo tokens, chains did overlap, and none is left in flight."""
+@pytest.mark.parametrize("knob", ["overlap", "prefill_early"])
+def test_batched_cuda_host_overlaps_give_solo_tokens(mt_bench_prompts, knob: str) -> None:
+    """The loop's work beside a running chain, on CUDA: ``overlap`` (each greedy chain launched from the
+    last one's tokens before they are handed out, read back by a later iteration) and ``prefill_early``
+    (prompts that arrived during a chain admitted and their blocks launched before its tokens are handed
+    out). Ten greedy prompts of mixed lengths and ``max_tokens`` (some not a multiple of the chain), joining
+    a few steps apart, get exactly their solo tokens; the knob's path ran, and no chain is left in flight."""
     import time
 
     from elesium.config import Settings
@@ -741,7 +743,7 @@ def test_batched_cuda_overlapped_chains_give_solo_tokens(mt_bench_prompts) -> No
     params = [SamplingParams(max_tokens=64 - 5 * (i % 3)) for i in range(len(prompts))]
     solo = _solo_vanilla(engine, prompts, params)
     batcher.warm_up()
-    batcher.overlap = True
+    setattr(batcher, knob, True)
     got: dict[int, tuple[int, ...]] = {}
     errors: list[BaseException] = []
     base = batcher.batched_steps
@@ -751,13 +753,15 @@ def test_batched_cuda_overlapped_chains_give_solo_tokens(mt_bench_prompts) -> No
             deadline = time.monotonic() + 120
             while batcher.batched_steps < base + 8 * i and time.monotonic() < deadline:
                 time.sleep(0.001)
+            time.sleep(0.003)  # past a chain's launch: it arrives while the chain runs
             got[i] = engine.generate(prompts[i], params[i], mode="vanilla").token_ids
         except BaseException as exc:  # reported below
             errors.append(exc)
 
     _in_threads(run, len(prompts), 300)
     assert not errors, errors
-    assert batcher.overlapped_chains > 0, "no chain was launched before the last one was handed out"
+    ran = batcher.overlapped_chains if knob == "overlap" else batcher.early_prefills
+    assert ran > 0, f"{knob} never ran"
     for i in range(len(prompts)):
         assert got[i] == solo[i], (i, _diverge(got[i], solo[i]))
     deadline = time.monotonic() + 10

@@ -9,7 +9,8 @@ decoded before a consumer asks), ``WAKE_EVERY`` (tokens that wake a waiting cons
 newcomers pick their first token before the step and join it, and ``defer_wakes`` wakes the consumers an
 iteration finished when the next step is launched (their Python then runs while the GPU works), and
 ``switch_ms`` is the interpreter's switch interval (``sys.setswitchinterval``; CPython's default is 5 ms), and
-``overlap`` launches a greedy batch's next chain before the last one's tokens are handed out.
+``overlap`` launches a greedy batch's next chain before the last one's tokens are handed out, and
+``prefill_early`` launches the prompts that arrived during a chain before its tokens are handed out.
 This loads the engine once and runs each setting at 32 and 64 concurrent, 256 requests a level, in
 interleaved repetitions (A B C A B C), and reports each setting's median tokens/s beside the engine's
 own concurrency-1 rate measured in the same process.
@@ -35,23 +36,24 @@ from elesium.inference import batcher as batcher_module  # noqa: E402
 from elesium.inference.engine import Engine  # noqa: E402
 
 KNOBS = ("lookahead", "wake_every", "prefill_factor", "chain", "consecutive_blocks", "fold_prefill",
-         "join_early", "defer_wakes", "switch_ms", "overlap")
+         "join_early", "defer_wakes", "switch_ms", "overlap", "prefill_early")
 SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecutive blocks, blocks on steps,
     # newcomers' first tokens before the step (joining it), wakes held to the next launch, switch interval,
-    # the next chain launched before the last one's tokens are handed out
-    (16, 8, 8, 8, True, False, False, False, 5.0, False),  # the defaults of BENCHMARKS §23
-    (16, 8, 8, 8, True, True, False, False, 5.0, False),
-    (16, 8, 16, 8, True, True, False, False, 5.0, False),
-    (8, 4, 8, 4, True, True, False, False, 5.0, False),
-    (16, 8, 8, 8, True, False, True, False, 5.0, False),  # §27
-    (16, 8, 8, 8, True, False, True, True, 5.0, False),  # §29
-    (16, 8, 8, 8, True, False, True, True, 0.5, False),
-    (16, 8, 8, 8, True, True, False, True, 5.0, False),  # blocks riding in the step, with wakes held
-    (32, 16, 8, 16, True, False, True, True, 5.0, False),  # longer chains
-    (16, 8, 8, 8, True, False, True, True, 5.0, True),  # §30: chains overlapped with the host's work
-    (8, 4, 8, 4, True, False, True, True, 5.0, True),  # the same with chains of 4
-    (8, 4, 8, 4, True, False, True, True, 5.0, False),  # chains of 4, not overlapped
-    (24, 8, 8, 8, True, False, True, True, 5.0, True),  # overlapped, a chain more of lookahead
+    # the next chain launched before the last one's tokens are handed out, arrivals' prefill launched then
+    (16, 8, 8, 8, True, False, False, False, 5.0, False, False),  # the defaults of BENCHMARKS §23
+    (16, 8, 8, 8, True, True, False, False, 5.0, False, False),
+    (16, 8, 16, 8, True, True, False, False, 5.0, False, False),
+    (8, 4, 8, 4, True, True, False, False, 5.0, False, False),
+    (16, 8, 8, 8, True, False, True, False, 5.0, False, False),  # §27
+    (16, 8, 8, 8, True, False, True, True, 5.0, False, False),  # §29
+    (16, 8, 8, 8, True, False, True, True, 0.5, False, False),
+    (16, 8, 8, 8, True, True, False, True, 5.0, False, False),  # blocks riding in the step, with wakes held
+    (32, 16, 8, 16, True, False, True, True, 5.0, False, False),  # longer chains
+    (16, 8, 8, 8, True, False, True, True, 5.0, True, False),  # §30: chains overlapped with the host's work
+    (8, 4, 8, 4, True, False, True, True, 5.0, True, False),  # the same with chains of 4
+    (8, 4, 8, 4, True, False, True, True, 5.0, False, False),  # chains of 4, not overlapped
+    (24, 8, 8, 8, True, False, True, True, 5.0, True, False),  # overlapped, a chain more of lookahead
+    (16, 8, 8, 8, True, False, True, True, 5.0, False, True),  # §31: §29's with arrivals prefilled early
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
@@ -100,6 +102,7 @@ def main() -> int:
             batcher.join_early = knobs["join_early"]
             batcher.defer_wakes = knobs["defer_wakes"]
             batcher.overlap = knobs["overlap"]
+            batcher.prefill_early = knobs["prefill_early"]
             sys.setswitchinterval(knobs["switch_ms"] / 1000)
             batcher_module.WAKE_EVERY = knobs["wake_every"]
             batcher_module.CUDA_PREFILL_FACTOR = knobs["prefill_factor"]
