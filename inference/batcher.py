@@ -787,7 +787,7 @@ class Batcher:
             self._count_batch(len(rows), steps)
             self.chained_steps += steps
             self.busy_s["batched_step"] += time.perf_counter() - start
-            if self.prefill_early and self._cuda and not blocks:
+            if self.prefill_early and self._cuda and not self.fold_prefill and not blocks:  # fold: they ride
                 self._prefill_arrivals()
             self._take_chains(rows, decoders, chains, start)
             return hidden
