@@ -54,6 +54,7 @@ SETTINGS = [  # LOOKAHEAD, WAKE_EVERY, CUDA_PREFILL_FACTOR, CHAIN_STEPS, consecu
     (8, 4, 8, 4, True, False, True, True, 5.0, False, False),  # chains of 4, not overlapped
     (24, 8, 8, 8, True, False, True, True, 5.0, True, False),  # overlapped, a chain more of lookahead
     (16, 8, 8, 8, True, False, True, True, 5.0, False, True),  # §31: §29's with arrivals prefilled early
+    (8, 4, 8, 4, True, False, True, True, 5.0, False, True),  # the same with chains of 4
 ]
 LEVELS = (32, 64)
 REQUESTS = 256
