@@ -852,10 +852,9 @@ class Batcher:
         for run, decoder, chain in zip(rows, decoders, chains, strict=True):
             try:
                 eos = run.engine.tokenizer.eos_ids
-                for token in chain[:max(1, run.params.max_tokens - 1 - decoder.steps)]:
-                    run._take_row(None, token, start)
-                    if token in eos:
-                        break
+                kept = chain[:max(1, run.params.max_tokens - 1 - decoder.steps)]
+                end = next((i + 1 for i, token in enumerate(kept) if token in eos), len(kept))
+                run._take_chain(kept[:end], start)
             except BaseException as exc:
                 run._error = exc
         self.busy_s["take_rows"] += time.perf_counter() - taking

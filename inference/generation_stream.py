@@ -208,6 +208,15 @@ class _Run:
         tokens, record = decoder.take(logits, greedy, start)
         self._produced.append((tokens, record, time.perf_counter()))
 
+    def _take_chain(self, tokens: list[int], start: float) -> None:
+        """Finish a greedy chain's steps that ran as one row of the batcher's shared forwards."""
+        decoder = self._decoder
+        if decoder is None:  # closed from another thread while its row was in the forward
+            return
+        assert isinstance(decoder, VanillaDecoder)
+        now = time.perf_counter()
+        self._produced.extend((taken, record, now) for taken, record in decoder.take_chain(tokens, start))
+
     def _publish(self) -> None:
         """Apply what ``_work`` produced: stop conditions, chunks, ``on_step``, the result at the end."""
         while self._produced and self._finish is None:

@@ -89,11 +89,24 @@ class VanillaDecoder:
             raise ValueError("a sampled or grammar-constrained step needs its logits")
         return self._advance(self._choose(logits), start)
 
+    def take_chain(self, tokens: list[int], start: float) -> list[tuple[list[int], StepRecord]]:
+        """``take`` of each token of a greedy chain (the batch's steps run on the device), in order: one
+        call a chain, not one a token, since the step loop hands out every row's chain between two chains
+        while the GPU waits (~30,000 tokens a level at 32 concurrent on CUDA)."""
+        if not self.greedy:
+            raise ValueError("a chain of device-picked tokens is for a greedy, unconstrained decoder")
+        elapsed = time.perf_counter() - start
+        step = self.steps
+        taken = [([token], StepRecord.plain(step + i, token, elapsed)) for i, token in enumerate(tokens)]
+        if tokens:
+            self.steps = step + len(tokens)
+            self.offset += len(tokens)
+            self.pending = tokens[-1]
+        return taken
+
     def _advance(self, token: int, start: float) -> tuple[list[int], StepRecord]:
         self.offset += 1
         self.pending = token
-        record = StepRecord(step=self.steps, mode="vanilla", tree_size=1, tree_depth=0, accepted_length=1,
-                            accepted_nodes=(0,), tokens=(token,), accepted_by_depth=(),
-                            elapsed_s=time.perf_counter() - start)
+        record = StepRecord.plain(self.steps, token, time.perf_counter() - start)
         self.steps += 1
         return [token], record
