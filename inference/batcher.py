@@ -207,7 +207,7 @@ class Batcher:
         # their first blocks launched before those tokens are handed out (CUDA): the GPU computes them while
         # the host hands out, instead of while the next iteration waits on their first tokens (0.30 s a level
         # at 32 concurrent on the H100, mostly the prefill's GPU time, BENCHMARKS §29c). On the H100, side by
-        # side, medians of 7: 1.06x the tokens/s at 32 concurrent and 1.04x at 64 (BENCHMARKS §31).
+        # side, 10 repetitions in three calls: 1.04x the tokens/s at 32 concurrent, 1.03-1.07x at 64 (§31).
         self.prefill_early = self._cuda
         self.early_prefills = 0  # newcomers whose first blocks were launched that way (metrics, tests)
         self._early: set[_Run] = set()  # prefilled early, not yet seen by ``_prefill_together``
