@@ -48,11 +48,11 @@ if [ "$WHAT" = profile ]; then  # the batched CUDA tests (TESTS=0 skips them), t
   run_logged prefill_profile.log 200 python3 -P benchmarks/gpu/prefill_profile.py "$P" "$OUT/prefill_profile.json"
   exit 0
 fi
-if [ "$WHAT" = steady ]; then  # the batched CUDA tests (deadlines too), then serving at steady state: REQUESTS
+if [ "$WHAT" = steady ]; then  # the batched CUDA tests (deadlines too; TESTS=0 skips them), then serving at steady state: REQUESTS
   # requests per level (default 256: 8 waves at 32 concurrent, 4 at 64), so a level's ramp-up and tail weigh
   # little; the default sweep runs 2 x concurrency requests, under a second of wall at 32 and 64
-  run_logged pytest_gpu_batched.log "${PYTEST_S:-300}" python3 -P -m pytest -m gpu tests/test_gpu.py -ra -s \
-    -p no:cacheprovider -k batched_cuda
+  [ "${TESTS:-1}" = 1 ] && run_logged pytest_gpu_batched.log "${PYTEST_S:-300}" python3 -P -m pytest -m gpu \
+    tests/test_gpu.py -ra -s -p no:cacheprovider -k batched_cuda
   run_logged serving_steady.log "${SERVING_S:-400}" env ELESIUM_MAX_BATCH=64 python3 -P benchmarks/serving.py \
     --device cuda --mode vanilla --concurrency "${LEVELS:-1,32,64}" --requests-per-level "${REQUESTS:-256}" \
     --max-tokens 128 --prompts "$P" --out "$OUT/serving_cuda_steady.json"
