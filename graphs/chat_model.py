@@ -221,9 +221,13 @@ class ChatElesium(BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([empty], exception_key="parsing_error")
 
     def _metadata(self, result: Generation) -> dict[str, Any]:
+        """What the call's ``AIMessage`` carries in ``response_metadata`` (LangChain merges the generation's
+        info there too): what the output depends on, nothing about how it was decoded. A graph keeps the
+        message in its state (``MessagesState``), which replay compares: a wall time would differ in every
+        re-execution, and a replay from the record has the tokens but not the decoding's steps. Timing and
+        acceptance are in the engine's spans, metrics and the run's acceptance log."""
         return {"finish_reason": result.finish_reason, "model_name": self._model_name(), "mode": result.mode,
-                "seed": result.seed, "mean_accepted": result.mean_accepted, "steps": len(result.steps),
-                "elapsed_s": result.elapsed_s}
+                "seed": result.seed}
 
 
 class _Failure:

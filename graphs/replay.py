@@ -45,25 +45,88 @@ from elesium.graphs.execution import (
 from elesium.graphs.serialization import jsonable
 from elesium.inference.types import TextEngine
 
-__all__ = ["Divergence", "LLMCall", "ReplayRefused", "ReplayReport", "compare_calls", "compare_checkpoints",
-           "first_difference", "jsonable", "replay_stored_run", "replay_thread"]
+__all__ = ["Divergence", "LLMCall", "MessageIds", "ReplayRefused", "ReplayReport", "compare_calls",
+           "compare_checkpoints", "first_difference", "is_message", "jsonable", "replay_stored_run",
+           "replay_thread"]
 
 
 # ---------------------------------------------------------------- serialisation and comparison
-def first_difference(recorded: Any, replayed: Any, path: str = "") -> tuple[str, Any, Any] | None:
-    """(field path, recorded, replayed) of the first difference between two JSON-like values."""
+@dataclasses.dataclass
+class MessageIds:
+    """LangChain messages' ids, compared up to a consistent renaming.
+
+    LangGraph's ``add_messages`` and LangChain's chat models label a message with a fresh ``uuid4`` when
+    it has no id, so a re-execution cannot draw the ids its record holds, and a ``MessagesState`` graph
+    would never replay identical. The ids are labels, not output: what an audit must prove is that the
+    same messages stand in the same relations. So each recorded id must stand for one replayed id
+    throughout a replay (a message updated or removed later is the same message), and no two recorded
+    ids for one replayed id; every other field of a message still compares exactly."""
+
+    forward: dict[str, str] = dataclasses.field(default_factory=dict)  # recorded -> replayed
+    backward: dict[str, str] = dataclasses.field(default_factory=dict)  # replayed -> recorded
+
+    def pair(self, recorded: Any, replayed: Any) -> bool:
+        """Whether ``recorded`` may stand for ``replayed`` (and, if so, that it does from now on)."""
+        if not isinstance(recorded, str) or not isinstance(replayed, str):
+            return recorded == replayed
+        if (self.forward.get(recorded, replayed) != replayed
+                or self.backward.get(replayed, recorded) != recorded):
+            return False
+        self.forward[recorded] = replayed
+        self.backward[replayed] = recorded
+        return True
+
+    def to_replayed(self, value: Any) -> Any:
+        """``value`` (JSON) with the ids of the messages in it renamed as the replay named them: a recorded
+        state update that names a message (to replace or remove it) must name the replayed one."""
+        if isinstance(value, list):
+            return [self.to_replayed(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        out = {k: self.to_replayed(v) for k, v in value.items()}
+        if is_message(value) and value.get("id") in self.forward:
+            out["id"] = self.forward[value["id"]]
+        return out
+
+
+# LangChain's message types (``BaseMessage.type``, chunks included) and the roles a client may send: a
+# state's own dict that happens to hold "id", "content" and "type" keeps its id compared exactly.
+MESSAGE_KINDS = frozenset({
+    "human", "ai", "system", "tool", "function", "chat", "remove", "developer", "user", "assistant",
+    "AIMessageChunk", "HumanMessageChunk", "SystemMessageChunk", "ToolMessageChunk", "FunctionMessageChunk",
+    "ChatMessageChunk",
+})
+
+
+def is_message(value: Any) -> bool:
+    """A LangChain message as :func:`jsonable` writes it (``model_dump``), or as a client sends one."""
+    return (isinstance(value, dict) and "id" in value and "content" in value
+            and value.get("type", value.get("role")) in MESSAGE_KINDS)
+
+
+def first_difference(recorded: Any, replayed: Any, path: str = "",
+                     messages: MessageIds | None = None) -> tuple[str, Any, Any] | None:
+    """(field path, recorded, replayed) of the first difference between two JSON-like values.
+
+    With ``messages``, the ids of messages are compared up to its renaming (:class:`MessageIds`)."""
     if isinstance(recorded, dict) and isinstance(replayed, dict):
+        renamed = messages is not None and is_message(recorded) and is_message(replayed)
         for key in sorted(set(recorded) | set(replayed)):
             sub = f"{path}.{key}" if path else str(key)
             if key not in recorded or key not in replayed:
                 return sub, recorded.get(key), replayed.get(key)
-            found = first_difference(recorded[key], replayed[key], sub)
+            if renamed and key == "id":
+                assert messages is not None
+                if not messages.pair(recorded[key], replayed[key]):
+                    return sub, recorded[key], replayed[key]
+                continue
+            found = first_difference(recorded[key], replayed[key], sub, messages)
             if found:
                 return found
         return None
     if isinstance(recorded, list) and isinstance(replayed, list):
         for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
-            found = first_difference(a, b, f"{path}[{i}]")
+            found = first_difference(a, b, f"{path}[{i}]", messages)
             if found:
                 return found
         if len(recorded) != len(replayed):
@@ -208,8 +271,12 @@ def compare_checkpoints(
     replay_thread: str,
     replayed: list[str],
     id_map: dict[str, str],
+    messages: MessageIds | None = None,
 ) -> tuple[Divergence | None, int]:
-    """Compare a run's checkpoints position by position; fills ``id_map`` (recorded id -> replay id)."""
+    """Compare a run's checkpoints position by position; fills ``id_map`` (recorded id -> replay id).
+
+    ``messages``: the thread's message-id renaming so far (:class:`MessageIds`); a fresh one if None."""
+    messages = MessageIds() if messages is None else messages
     compared = 0
     for rec_id, rep_id in zip(recorded, replayed, strict=False):
         id_map[rec_id] = rep_id
@@ -219,7 +286,7 @@ def compare_checkpoints(
             return Divergence(
                 run_id=run_id, field="checkpoint", recorded=f"{rec_id} (missing)", replayed=rep_id
             ), compared
-        found = first_difference(a, b)
+        found = first_difference(a, b, messages=messages)
         if found is None and step != step_b:
             found = ("metadata.step", step, step_b)
         if found is not None:
@@ -307,6 +374,7 @@ def replay_thread(
     pinned = pinned_calibrator(calibrations) if calibrations is not None else None
     scratch = f"replay-{report.replay_id}"
     id_map: dict[str, str] = {}
+    messages = MessageIds()  # one renaming for the whole thread: its runs share their messages
     try:
         for op in ops:
             if op.get("kind") == "update":
@@ -314,7 +382,8 @@ def replay_thread(
                 parent = op.get("checkpoint_id")
                 if parent:
                     cfg["configurable"]["checkpoint_id"] = id_map.get(parent, parent)
-                new = graph.update_state(cfg, op.get("values"), as_node=op.get("as_node"))
+                values = messages.to_replayed(op.get("values"))
+                new = graph.update_state(cfg, values, as_node=op.get("as_node"))
                 if op.get("result_checkpoint"):
                     id_map[op["result_checkpoint"]] = new["configurable"]["checkpoint_id"]
                 continue
@@ -359,7 +428,8 @@ def replay_thread(
                     replayed=None,
                 )
             cdiv, n_cp = compare_checkpoints(
-                rec.run_id, graph, thread_id, rec.checkpoints, graph, scratch, outcome.checkpoints, id_map
+                rec.run_id, graph, thread_id, rec.checkpoints, graph, scratch, outcome.checkpoints, id_map,
+                messages,
             )
             report.checkpoints_compared += n_cp
             if div is None:
